@@ -1,0 +1,110 @@
+"""The one builder: validated config -> Serve Application (ingress + prefill pool + decode pool).
+
+`serve run cluster_configs/<name>.yaml` calls `build_app(args)` with the YAML's `args`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import AutoscalingConfig as ServeAutoscaling
+from ray.serve.config import RequestRouterConfig
+
+from deployments.config import AppConfig, ConfigError, PoolConfig, load_app_config
+from deployments.ingress import Ingress, IngressSettings
+from deployments.pool import EngineReplicaDeployment
+from engine.args import EngineSpec, build_engine_spec, resolve_model_path
+from router.serve_router import ConversationAffinityRouter
+
+logger = logging.getLogger("ray.serve")
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def project_path(p: str) -> str:
+    """Relative paths in configs are relative to the project root (the builder's cwd is Ray's)."""
+    return p if os.path.isabs(p) else str(PROJECT_ROOT / p)
+
+
+def ray_actor_options(pool: PoolConfig, env: dict[str, str]) -> dict[str, Any]:
+    r = pool.resources
+    opts: dict[str, Any] = {"num_cpus": r.num_cpus, "runtime_env": {"env_vars": env}}
+    if r.num_gpus:
+        opts["num_gpus"] = r.num_gpus
+    if r.accelerator_type:
+        opts["accelerator_type"] = r.accelerator_type
+    if r.custom:
+        opts["resources"] = dict(r.custom)
+    if r.memory_gib:
+        opts["memory"] = int(r.memory_gib * (1 << 30))
+    return opts
+
+
+def pool_options(name: str, pool: PoolConfig, spec: EngineSpec, cfg: AppConfig) -> dict[str, Any]:
+    opts: dict[str, Any] = {
+        "name": name,
+        "ray_actor_options": ray_actor_options(pool, spec.env),
+        "max_ongoing_requests": pool.max_ongoing_requests,
+        "health_check_period_s": 5.0,
+        "health_check_timeout_s": 30.0,
+        "graceful_shutdown_timeout_s": 10.0,
+        "request_router_config": RequestRouterConfig(
+            request_router_class=ConversationAffinityRouter,
+            request_router_kwargs={"kv_weight": cfg.routing.kv_weight, "queue_weight": cfg.routing.queue_weight},
+            request_routing_stats_period_s=pool.routing_stats_period_s,
+            request_routing_stats_timeout_s=max(1.0, pool.routing_stats_period_s),
+        ),
+    }
+    if pool.autoscaling is not None:
+        a = pool.autoscaling
+        opts["autoscaling_config"] = ServeAutoscaling(
+            min_replicas=a.min_replicas,
+            max_replicas=a.max_replicas,
+            initial_replicas=a.initial_replicas,
+            target_ongoing_requests=a.target_ongoing_requests,
+            upscale_delay_s=a.upscale_delay_s,
+            downscale_delay_s=a.downscale_delay_s,
+        )
+    else:
+        opts["num_replicas"] = pool.num_replicas
+    return opts
+
+
+def _pool_runs(pool: PoolConfig) -> bool:
+    return pool.num_replicas > 0 if pool.autoscaling is None else pool.autoscaling.max_replicas > 0
+
+
+def build_app(args: dict[str, Any] | AppConfig) -> Application:
+    cfg = load_app_config(args)
+    cache = project_path(cfg.model_cache)
+    try:
+        model_path = resolve_model_path(cfg.decode.engine.model, cache)
+    except FileNotFoundError as e:
+        raise ConfigError(f"decode.engine.model: {e}") from None
+    cache_root = project_path(".cache")
+
+    def spec(role: str, pool: PoolConfig) -> EngineSpec:
+        on_gpu = pool.resources.num_gpus > 0
+        return build_engine_spec(pool.engine, role=role, policy=cfg.routing.policy, model_path=model_path, on_gpu=on_gpu, cache_root=cache_root)  # type: ignore[arg-type]
+
+    decode_spec = spec("decode", cfg.decode)
+    decode = EngineReplicaDeployment.options(**pool_options("decode", cfg.decode, decode_spec, cfg)).bind("decode", decode_spec)
+    prefill = None
+    if _pool_runs(cfg.prefill):
+        prefill_spec = spec("prefill", cfg.prefill)
+        prefill = EngineReplicaDeployment.options(**pool_options("prefill", cfg.prefill, prefill_spec, cfg)).bind("prefill", prefill_spec)
+    settings = IngressSettings(
+        model_id=cfg.ingress.served_model_name or os.path.basename(model_path.rstrip("/")),
+        model_path=model_path,
+        max_model_len=min(cfg.decode.engine.max_model_len, cfg.prefill.engine.max_model_len),
+        default_max_tokens=cfg.ingress.default_max_tokens,
+    )
+    return Ingress.options(
+        num_replicas=cfg.ingress.num_replicas,
+        max_ongoing_requests=cfg.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": cfg.ingress.num_cpus, "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}}},
+    ).bind(decode, prefill, settings)

@@ -1,0 +1,130 @@
+"""User-facing configuration of a Baton application (what `cluster_configs/*.yaml` holds under `args`).
+
+Every model forbids unknown fields, so a typo in YAML fails with the field's path in the error.
+`load_app_config` is the one entry point: it validates a dict and states the cross-field rules.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AutoscalingConfig(_Strict):
+    """Serve autoscaling for one pool; when set, `num_replicas` is ignored by Serve."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(8.0, gt=0, description="requests per replica Serve aims for")
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(120.0, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        if self.initial_replicas is not None and not (self.min_replicas <= self.initial_replicas <= self.max_replicas):
+            raise ValueError("initial_replicas must lie in [min_replicas, max_replicas]")
+        return self
+
+
+class ResourcesConfig(_Strict):
+    """Ray resources of ONE replica. On CPU, custom resources (e.g. decode_slot) stand in for GPUs."""
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    accelerator_type: str | None = Field(None, description="Ray accelerator type, e.g. H100 or L4 (GPU clusters)")
+    custom: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica")
+    memory_gib: float | None = Field(None, gt=0, description="Ray memory reservation per replica")
+
+
+class EngineConfig(_Strict):
+    """vLLM engine arguments of one pool. Turned into `EngineArgs` in exactly one place: engine/args.py."""
+
+    model: str = Field(..., description="path of an HF model folder, or a name under the model cache")
+    tokenizer: str | None = None
+    max_model_len: int = Field(4096, ge=16)
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    kv_cache_gib: float = Field(1.0, gt=0, description="KV pool size (VLLM_CPU_KVCACHE_SPACE on CPU)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1.0, description="GPU only")
+    block_size: int | None = Field(None, ge=1, description="KV block size; None = the platform's default (128 on CPU)")
+    max_num_seqs: int = Field(32, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=16)
+    seed: int = 0
+    cpu_threads: int = Field(1, ge=1, description="torch/OMP threads of an in-process CPU engine")
+    cpu_threads_bind: str = Field("nobind", description="VLLM_CPU_OMP_THREADS_BIND: 'nobind', 'auto' or core ids")
+    extra_engine_args: dict[str, Any] = Field(default_factory=dict, description="passed to EngineArgs unchanged")
+
+
+class PoolConfig(_Strict):
+    """One replica pool of vLLM engines (prefill-heavy or decode-efficient)."""
+
+    num_replicas: int = Field(1, ge=0)
+    autoscaling: AutoscalingConfig | None = None
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    engine: EngineConfig
+    max_ongoing_requests: int = Field(64, ge=1, description="Serve's per-replica cap; beyond it requests queue")
+    routing_stats_period_s: float = Field(1.0, gt=0)
+
+
+class IngressConfig(_Strict):
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.0, ge=0)
+    served_model_name: str | None = Field(None, description="the id clients send as `model`; default: model folder name")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when the client sends none")
+    max_ongoing_requests: int = Field(256, ge=1)
+    request_timeout_s: float = Field(600.0, gt=0)
+
+
+class RoutingConfig(_Strict):
+    """How requests reach engines. The backbone serves whole requests on the decode pool with
+    conversation affinity; later policies add the prefill->decode handoff."""
+
+    policy: Literal["colocated"] = "colocated"
+    kv_weight: float = Field(1.0, ge=0, description="weight of KV occupancy in a replica's load score")
+    queue_weight: float = Field(0.05, ge=0, description="weight per queued/running request in a replica's load score")
+
+
+class AppConfig(_Strict):
+    name: str = "baton"
+    model_cache: str = Field(".cache/models", description="folder that holds provisioned models (relative to the cwd)")
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    prefill: PoolConfig
+    decode: PoolConfig
+
+    @model_validator(mode="after")
+    def _same_model(self) -> "AppConfig":
+        if self.prefill.engine.model != self.decode.engine.model:
+            raise ValueError(
+                f"prefill and decode pools must serve the same model "
+                f"(prefill: {self.prefill.engine.model!r}, decode: {self.decode.engine.model!r})"
+            )
+        if self.decode.num_replicas == 0 and (self.decode.autoscaling is None or self.decode.autoscaling.max_replicas == 0):
+            raise ValueError("decode pool needs at least one replica: it serves every request")
+        return self
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be served; the message names the offending field(s)."""
+
+
+def load_app_config(args: dict[str, Any] | AppConfig) -> AppConfig:
+    """Validate raw YAML `args` into an AppConfig, raising ConfigError with field paths."""
+    if isinstance(args, AppConfig):
+        return args
+    try:
+        return AppConfig.model_validate(args)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "<root>"
+            lines.append(f"  {where}: {err['msg']}")
+        raise ConfigError("invalid Baton config:\n" + "\n".join(lines)) from None

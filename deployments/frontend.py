@@ -1,0 +1,237 @@
+"""The OpenAI API's logic, independent of Serve and HTTP: validate, render, generate, assemble.
+
+`Backend` is where requests go (the engine pools in production, a fake engine in unit tests).
+Everything a client can get wrong is caught here, before any engine work, as an APIError (4xx).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from deployments.chat import PromptRenderer
+from deployments.errors import APIError, bad_request, unavailable
+from deployments.metrics import IngressMetrics
+from deployments.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    usage,
+)
+from engine.types import EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
+
+
+class Backend(Protocol):
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]: ...
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request, ready for an engine."""
+
+    endpoint: str
+    request: GenerationRequest
+    model: str
+    stream: bool
+    include_usage: bool
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+class OpenAIFrontend:
+    def __init__(
+        self,
+        *,
+        model_id: str,
+        renderer: PromptRenderer,
+        backend: Backend,
+        max_model_len: int,
+        default_max_tokens: int,
+        metrics: IngressMetrics,
+    ):
+        self.model_id = model_id
+        self._renderer = renderer
+        self._backend = backend
+        self._max_model_len = max_model_len
+        self._default_max_tokens = default_max_tokens
+        self._metrics = metrics
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "owned_by": "baton", "max_model_len": self._max_model_len}]}
+
+    # ---- validation ------------------------------------------------------------------------
+    def prepare_chat(self, body: ChatCompletionRequest, session_id: str | None) -> Prepared:
+        self._check_common(body)
+        ids = self._renderer.chat_tokens(body.messages)
+        return self._prepared("chat", body, ids, body.requested_max_tokens(), session_id)
+
+    def prepare_completion(self, body: CompletionRequest, session_id: str | None) -> Prepared:
+        self._check_common(body)
+        if isinstance(body.prompt, str):
+            ids = self._renderer.text_tokens(body.prompt)
+        elif isinstance(body.prompt[0], str):
+            ids = self._renderer.text_tokens(body.prompt[0])  # type: ignore[arg-type]
+        else:
+            ids = list(body.prompt)  # type: ignore[arg-type]
+            self._renderer.check_token_ids(ids)
+        if not ids:
+            raise bad_request("prompt encodes to zero tokens", param="prompt")
+        return self._prepared("completions", body, ids, body.requested_max_tokens(), session_id)
+
+    def _check_common(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+        if body.model is not None and body.model != self.model_id:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model_id!r}", param="model", code="model_not_found")
+        if body.memories is not None:
+            raise bad_request("memories are not enabled on this deployment (no memory store configured)", param="memories", code="memories_unavailable")
+
+    def _prepared(self, endpoint: str, body: Any, ids: list[int], requested: int | None, session_id: str | None) -> Prepared:
+        n = len(ids)
+        room = self._max_model_len - n
+        if room < 1:
+            raise bad_request(
+                f"the prompt has {n} tokens; this model's context length is {self._max_model_len}",
+                param="messages" if endpoint == "chat" else "prompt",
+                code="context_length_exceeded",
+            )
+        max_tokens = requested if requested is not None else min(self._default_max_tokens, room)
+        if max_tokens > room:
+            raise bad_request(
+                f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds the context length {self._max_model_len}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        sampling = SamplingSpec(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k in (None, -1) else body.top_k,
+            seed=body.seed,
+            stop=body.stop_list(),
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            ignore_eos=body.ignore_eos,
+        )
+        prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+        req = GenerationRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_token_ids=tuple(ids), sampling=sampling, session_id=session_id)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return Prepared(endpoint=endpoint, request=req, model=self.model_id, stream=body.stream, include_usage=include_usage)
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def complete(self, p: Prepared) -> dict[str, Any]:
+        """Non-streaming: the whole reply as one JSON body (raises APIError on failure)."""
+        t0 = time.monotonic()
+        acc = _Accumulator(self._metrics, p.endpoint, t0)
+        try:
+            async for d in self._deltas(p):
+                acc.add(d)
+        except APIError as e:
+            self._metrics.request_done(p.endpoint, e.status)
+            raise
+        acc.finish()
+        self._metrics.request_done(p.endpoint, 200)
+        use = usage(acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens)
+        build = chat_response if p.endpoint == "chat" else completion_response
+        return build(p.request.request_id, p.model, "".join(acc.texts), acc.finish_reason, use)
+
+    async def open_stream(self, p: Prepared) -> AsyncIterator[str]:
+        """Streaming: waits for the engine's first output so that a failure before any token is a
+        proper HTTP error (raised here); later failures arrive as an in-stream error event."""
+        t0 = time.monotonic()
+        acc = _Accumulator(self._metrics, p.endpoint, t0)
+        deltas = self._deltas(p)
+        try:
+            first = await deltas.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except APIError as e:
+            self._metrics.request_done(p.endpoint, e.status)
+            raise
+        return self._stream_events(p, acc, first, deltas)
+
+    async def _stream_events(self, p: Prepared, acc: "_Accumulator", first: GenerationDelta | None, rest: AsyncIterator[GenerationDelta]) -> AsyncIterator[str]:
+        rid, model = p.request.request_id, p.model
+        chunk: Callable[..., dict[str, Any]]
+        status = 499  # client went away unless we get to the end
+        try:
+            if p.endpoint == "chat":
+                yield sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}))
+            pending = [first] if first is not None else []
+            async for d in _chain(pending, rest):
+                acc.add(d)
+                if d.text or d.finished:
+                    if p.endpoint == "chat":
+                        delta = {"content": d.text} if d.text else {}
+                        yield sse(chat_chunk(rid, model, delta, d.finish_reason if d.finished else None))
+                    else:
+                        yield sse(completion_chunk(rid, model, d.text, d.finish_reason if d.finished else None))
+            acc.finish()
+            if p.include_usage:
+                use = usage(acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens)
+                chunk = chat_chunk if p.endpoint == "chat" else completion_chunk
+                yield sse(chunk(rid, model, {} if p.endpoint == "chat" else "", None, use))
+            status = 200
+            yield sse("[DONE]")
+        except APIError as e:
+            status = e.status
+            yield sse(e.body())
+            yield sse("[DONE]")
+        finally:
+            await rest.aclose()  # type: ignore[attr-defined]  # aborts the engine request if unfinished
+            self._metrics.request_done(p.endpoint, status)
+
+    async def _deltas(self, p: Prepared) -> AsyncIterator[GenerationDelta]:
+        gen = self._backend.generate(p.request)
+        try:
+            async for d in gen:
+                yield d
+        except EngineUnavailable as e:
+            raise unavailable(str(e)) from None
+        except EngineRequestError as e:
+            raise bad_request(f"the engine rejected the request: {e}", code="engine_rejected") from None
+        finally:
+            aclose = getattr(gen, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def _chain(first: list[GenerationDelta], rest: AsyncIterator[GenerationDelta]) -> AsyncIterator[GenerationDelta]:
+    for d in first:
+        yield d
+    async for d in rest:
+        yield d
+
+
+class _Accumulator:
+    """Usage and latency of one request, built from its deltas."""
+
+    def __init__(self, metrics: IngressMetrics, endpoint: str, t0: float):
+        self._metrics, self._endpoint, self._t0 = metrics, endpoint, t0
+        self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.texts: list[str] = []
+        self._t_first: float | None = None
+
+    def add(self, d: GenerationDelta) -> None:
+        if d.token_ids and self._t_first is None:
+            self._t_first = time.monotonic()
+            self._metrics.ttft(self._endpoint, self._t_first - self._t0)
+        self.prompt_tokens = max(self.prompt_tokens, d.prompt_tokens)
+        self.cached_tokens = max(self.cached_tokens, d.cached_tokens)
+        self.completion_tokens += len(d.token_ids)
+        self.texts.append(d.text)
+        if d.finished:
+            self.finish_reason = d.finish_reason
+
+    def finish(self) -> None:
+        if self._t_first is not None and self.completion_tokens > 1:
+            self._metrics.tpot(self._endpoint, (time.monotonic() - self._t_first) / (self.completion_tokens - 1))
+        self._metrics.tokens(self._endpoint, self.prompt_tokens, self.cached_tokens, self.completion_tokens)

@@ -1,0 +1,108 @@
+"""HTTP surface: the FastAPI app (routes, error handlers, session ids) over an OpenAIFrontend."""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments.errors import APIError, bad_request
+from deployments.frontend import OpenAIFrontend
+from deployments.protocol import SESSION_ID_MAX, ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger("baton.api")
+
+SESSION_HEADER = "x-session-id"
+_SESSION_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,%d}$" % SESSION_ID_MAX)
+
+HealthCheck = Callable[[], Awaitable[dict[str, Any]]]
+
+
+def session_id_of(request: Request, body_session: str | None) -> str | None:
+    """The conversation id: the x-session-id header, or the body's session_id; they must agree."""
+    header = request.headers.get(SESSION_HEADER)
+    if header is not None and body_session is not None and header != body_session:
+        raise bad_request("x-session-id header and body session_id differ", param="session_id")
+    sid = header if header is not None else body_session
+    if sid is not None and not _SESSION_RE.match(sid):
+        raise bad_request(f"session id must be 1-{SESSION_ID_MAX} characters of [A-Za-z0-9._:@/+=-]", param="session_id")
+    return sid
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+        raise bad_request(f"{where}: {err['msg']}{more}", param=where or None, code="invalid_value") from None
+
+
+def build_openai_app(frontend: OpenAIFrontend, health: HealthCheck) -> FastAPI:
+    app = FastAPI(title="Baton", description="OpenAI-compatible conversation serving on Ray Serve", version="0.1.0")
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return bad_request(str(exc.errors()[:1]), code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # a bug of ours: log it with the trace, answer without one
+        logger.exception("unexpected error in the ingress")
+        return APIError(500, f"internal error ({type(exc).__name__})", type="server_error", code="internal_error").response()
+
+    @app.get("/health")
+    async def health_route() -> JSONResponse:
+        report = await health()
+        return JSONResponse(report, status_code=200 if report.get("status") == "ok" else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return frontend.models()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        body = await _parse(request, ChatCompletionRequest)
+        sid = session_id_of(request, body.session_id)
+        prepared = frontend.prepare_chat(body, sid)
+        return await _respond(frontend, prepared, sid)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        body = await _parse(request, CompletionRequest)
+        sid = session_id_of(request, body.session_id)
+        prepared = frontend.prepare_completion(body, sid)
+        return await _respond(frontend, prepared, sid)
+
+    return app
+
+
+async def _respond(frontend: OpenAIFrontend, prepared: Any, sid: str | None) -> Any:
+    headers = {SESSION_HEADER: sid} if sid else {}
+    if prepared.stream:
+        events = await frontend.open_stream(prepared)
+        return StreamingResponse(events, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
+    return JSONResponse(await frontend.complete(prepared), headers=headers)

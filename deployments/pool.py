@@ -1,0 +1,70 @@
+"""One engine replica of a pool (prefill or decode): a real vLLM engine behind a Serve deployment."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from ray.serve import metrics
+
+from engine.args import EngineSpec
+from engine.runner import EngineRunner
+from engine.types import EngineStats, EngineUnavailable, GenerationDelta, GenerationRequest
+
+logger = logging.getLogger("ray.serve")
+
+
+class EngineReplica:
+    """Serve replica owning one EngineRunner. Streams GenerationDelta objects to its callers."""
+
+    def __init__(self, pool: str, spec: EngineSpec):
+        self._pool = pool
+        t0 = time.monotonic()
+        self._runner = EngineRunner(spec)
+        self.start_seconds = time.monotonic() - t0
+        # Serve adds deployment (= pool) and replica tags to every metric
+        self._kv_gauge = metrics.Gauge("baton_engine_kv_usage", "fraction of the KV pool in use")
+        self._running_gauge = metrics.Gauge("baton_engine_running_requests", "requests the engine is running")
+        self._waiting_gauge = metrics.Gauge("baton_engine_waiting_requests", "requests waiting in the engine")
+        logger.info("pool %s: engine up in %.1fs (pid %d)", pool, self.start_seconds, os.getpid())
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        async for delta in self._runner.generate(request):
+            yield delta
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        stats = self._runner.stats
+        self._kv_gauge.set(stats.kv_usage)
+        self._running_gauge.set(stats.num_running)
+        self._waiting_gauge.set(stats.num_waiting)
+        return stats.as_routing_stats()
+
+    async def engine_stats(self) -> EngineStats:
+        return self._runner.stats
+
+    async def describe(self) -> dict[str, Any]:
+        return {"pool": self._pool, "pid": os.getpid(), "start_seconds": self.start_seconds, "rss_bytes": _rss_bytes()}
+
+    async def check_health(self) -> None:
+        stats = self._runner.stats
+        if not stats.healthy:
+            raise EngineUnavailable(stats.reason)
+
+    def __del__(self) -> None:
+        runner = getattr(self, "_runner", None)
+        if runner is not None:
+            runner.shutdown()
+
+
+def _rss_bytes() -> int:
+    with open(f"/proc/{os.getpid()}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+EngineReplicaDeployment = serve.deployment(EngineReplica, name="engine")

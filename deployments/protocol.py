@@ -1,0 +1,165 @@
+"""Request bodies of the OpenAI-compatible API (only what Baton honours is validated; unknown
+fields are ignored as OpenAI-compatible servers do) and response/chunk builders."""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SESSION_ID_MAX = 128
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    n: int = Field(1, ge=1, le=1, description="only n=1 is served")
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=256)
+    session_id: str | None = Field(None, min_length=1, max_length=SESSION_ID_MAX, description="conversation id for clients that cannot send x-session-id")
+    ignore_eos: bool = False
+    memories: dict[str, Any] | None = Field(None, description="memory references (needs the memory store)")
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return v
+
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] = Field(..., description="one prompt: text, token ids, or a one-element list of text")
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            if isinstance(v[0], str) and len(v) != 1:
+                raise ValueError("only one prompt per request is served")
+        elif v == "":
+            raise ValueError("prompt must not be empty")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def chat_response(rid: str, model: str, text: str, finish_reason: str | None, use: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason, "logprobs": None}],
+        "usage": use,
+    }
+
+
+def chat_chunk(rid: str, model: str, delta: dict[str, Any], finish_reason: str | None = None, use: dict[str, Any] | None = None) -> dict[str, Any]:
+    choices = [] if use is not None and not delta and finish_reason is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+    chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model, "choices": choices}
+    if use is not None:
+        chunk["usage"] = use
+    return chunk
+
+
+def completion_response(rid: str, model: str, text: str, finish_reason: str | None, use: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        "usage": use,
+    }
+
+
+def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None = None, use: dict[str, Any] | None = None) -> dict[str, Any]:
+    choices = [] if use is not None and not text and finish_reason is None else [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]
+    chunk: dict[str, Any] = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices}
+    if use is not None:
+        chunk["usage"] = use
+    return chunk

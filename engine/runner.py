@@ -1,0 +1,258 @@
+"""An in-process vLLM engine owned by one background thread.
+
+The engine is not thread-safe, so exactly one thread (the engine thread) builds it, adds and
+aborts requests, and calls step(). Callers on an asyncio loop talk to it through a command queue
+and receive deltas on per-request asyncio queues (filled with loop.call_soon_threadsafe).
+
+Invariant: every request id in `_streams` is either queued as an `add` command or known to the
+engine; it leaves `_streams` exactly once (finished, aborted, or failed).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine.args import EngineSpec
+from engine.types import (
+    EngineRequestError,
+    EngineStats,
+    EngineUnavailable,
+    GenerationDelta,
+    GenerationRequest,
+)
+
+logger = logging.getLogger("baton.engine")
+
+_IDLE_WAIT_S = 0.05
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: GenerationRequest
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+def apply_engine_environment(env: dict[str, str]) -> None:
+    """vLLM reads these at import: call before the first `import vllm` of the process."""
+    os.environ.update(env)
+
+
+def _sampling_params(req: GenerationRequest, kv_transfer_params: dict[str, Any] | None) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    s = req.sampling
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k if s.top_k > 0 else 0,
+        seed=s.seed,
+        stop=list(s.stop) or None,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        ignore_eos=s.ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+        extra_args=extra,
+    )
+
+
+class EngineRunner:
+    """Owns one vLLM LLMEngine on a dedicated thread. Construct, then `await generate(...)`."""
+
+    def __init__(self, spec: EngineSpec, start_timeout_s: float = 600.0):
+        apply_engine_environment(spec.env)
+        self._spec = spec
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._stats = EngineStats()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self.start_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(start_timeout_s):
+            raise EngineUnavailable(f"engine did not start within {start_timeout_s:.0f}s")
+        if self._start_error is not None:
+            raise EngineUnavailable(f"engine failed to start: {self._start_error}") from self._start_error
+
+    # ---- caller side (any asyncio loop) -------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        """Yield deltas until the request finishes. Cancelling the consumer aborts the request."""
+        if not self._stats.healthy:
+            raise EngineUnavailable(self._stats.reason or "engine is not healthy")
+        stream = _Stream(loop=asyncio.get_running_loop(), out=asyncio.Queue())
+        with self._streams_lock:
+            if req.request_id in self._streams:
+                raise EngineRequestError(f"duplicate request id {req.request_id!r}")
+            self._streams[req.request_id] = stream
+        self._commands.put(_Add(req))
+        finished = False
+        try:
+            while True:
+                item = await stream.out.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._commands.put(_Abort(req.request_id))
+
+    def shutdown(self) -> None:
+        self._commands.put(_Stop())
+        self._thread.join(timeout=30)
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        try:
+            from vllm.engine.arg_utils import EngineArgs
+            from vllm.v1.engine.llm_engine import LLMEngine
+
+            engine = LLMEngine.from_engine_args(EngineArgs(**self._spec.engine_kwargs))
+        except BaseException as e:  # noqa: BLE001 - reported to the constructor
+            logger.exception("engine start failed")
+            self._start_error = e
+            self._stats = EngineStats(healthy=False, reason=f"start failed: {e}")
+            self._ready.set()
+            return
+        self.start_seconds = time.monotonic() - t0
+        self._scheduler = _find_scheduler(engine)
+        self._ready.set()
+        steps = 0
+        try:
+            while True:
+                busy = engine.has_unfinished_requests()
+                if not self._drain_commands(engine, block=not busy):
+                    break
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    steps += 1
+                    self._dispatch(outputs)
+                self._publish_stats(engine, steps)
+        except BaseException as e:  # noqa: BLE001 - the engine is dead; fail every stream
+            logger.exception("engine step failed; engine marked unhealthy")
+            self._stats = EngineStats(healthy=False, reason=f"engine failed: {type(e).__name__}: {e}")
+            self._fail_all(EngineUnavailable(self._stats.reason))
+
+    def _drain_commands(self, engine: Any, block: bool) -> bool:
+        """Apply queued add/abort commands. Returns False on stop."""
+        try:
+            cmd = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(cmd, _Stop):
+                self._fail_all(EngineUnavailable("engine shut down"))
+                return False
+            if isinstance(cmd, _Add):
+                self._add(engine, cmd.request)
+            elif isinstance(cmd, _Abort):
+                self._abort(engine, cmd.request_id)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, engine: Any, req: GenerationRequest) -> None:
+        try:
+            engine.add_request(
+                req.request_id,
+                {"prompt_token_ids": list(req.prompt_token_ids)},
+                _sampling_params(req, req.kv_transfer_params),
+            )
+        except Exception as e:  # noqa: BLE001 - vLLM rejects one request; the engine lives on
+            self._finish_stream(req.request_id, EngineRequestError(str(e)))
+
+    def _abort(self, engine: Any, request_id: str) -> None:
+        with self._streams_lock:
+            known = self._streams.pop(request_id, None) is not None
+        if known:
+            engine.abort_request([request_id])
+
+    def _dispatch(self, outputs: list[Any]) -> None:
+        for out in outputs:
+            comp = out.outputs[0] if out.outputs else None
+            delta = GenerationDelta(
+                text=comp.text if comp else "",
+                token_ids=tuple(comp.token_ids) if comp else (),
+                prompt_tokens=len(out.prompt_token_ids or ()),
+                cached_tokens=int(out.num_cached_tokens or 0),
+                finished=bool(out.finished),
+                finish_reason=comp.finish_reason if comp else None,
+                kv_transfer_params=getattr(out, "kv_transfer_params", None),
+            )
+            if delta.finished:
+                self._finish_stream(out.request_id, delta)
+            else:
+                self._send(out.request_id, delta)
+
+    def _send(self, request_id: str, item: Any) -> None:
+        with self._streams_lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.out.put_nowait, item)
+
+    def _finish_stream(self, request_id: str, item: Any) -> None:
+        with self._streams_lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.out.put_nowait, item)
+
+    def _fail_all(self, err: BaseException) -> None:
+        with self._streams_lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for s in streams:
+            s.loop.call_soon_threadsafe(s.out.put_nowait, err)
+
+    def _publish_stats(self, engine: Any, steps: int) -> None:
+        sched = self._scheduler
+        with self._streams_lock:
+            in_flight = len(self._streams)
+        if sched is None:
+            self._stats = EngineStats(in_flight=in_flight, steps=steps)
+            return
+        self._stats = EngineStats(
+            kv_usage=float(sched.kv_cache_manager.usage),
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            in_flight=in_flight,
+            steps=steps,
+        )
+
+
+def _find_scheduler(engine: Any) -> Any:
+    """The in-process scheduler (present with VLLM_ENABLE_V1_MULTIPROCESSING=0), else None."""
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    return getattr(core, "scheduler", None)

@@ -1,0 +1,82 @@
+"""Typed messages between the ingress and the engine replicas (no vLLM import: the ingress uses them too)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One engine request: already tokenized by the ingress (chat template applied there)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    session_id: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class GenerationDelta:
+    """What one engine step produced for one request (new text and tokens only)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    cached_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the engine thread publishes after every step; read by routers and metrics."""
+
+    kv_usage: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    in_flight: int = 0
+    healthy: bool = True
+    reason: str = ""
+    steps: int = 0
+
+    def as_routing_stats(self) -> dict[str, Any]:
+        return {
+            "kv_usage": self.kv_usage,
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "in_flight": self.in_flight,
+        }
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot serve (failed to start, died); the ingress answers 503 with this reason."""
+
+
+class EngineRequestError(ValueError):
+    """The engine rejected one request (bad parameters); the ingress answers 400 with this reason."""
+
+
+@dataclass
+class RequestTotals:
+    """Per-request accounting the ingress builds from deltas."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    text_parts: list[str] = field(default_factory=list)

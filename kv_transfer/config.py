@@ -1,0 +1,39 @@
+"""Which KV connector an engine gets, by the role its pool plays.
+
+This is the only place that decides `kv_transfer_config`; engine/args.py calls it while building
+EngineArgs, so adding a handoff or an injection connector changes this file, not the engines.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+PoolRole = Literal["prefill", "decode"]
+RoutingPolicy = Literal["colocated", "conversation", "per_turn_pd", "round_robin"]
+
+
+@dataclass(frozen=True)
+class KVTransferPlan:
+    """What connector (if any) an engine of a pool runs, as a dict vLLM's KVTransferConfig accepts."""
+
+    connector: str | None
+    role: str | None
+    buffer_device: str
+
+    def as_engine_arg(self) -> dict[str, Any] | None:
+        if self.connector is None:
+            return None
+        return {"kv_connector": self.connector, "kv_role": self.role, "kv_buffer_device": self.buffer_device}
+
+
+def kv_transfer_plan(role: PoolRole, policy: RoutingPolicy, on_gpu: bool) -> KVTransferPlan:
+    """Pure: the connector for an engine of `role` under `policy`.
+
+    colocated / round_robin: every replica serves whole requests, no KV moves between engines.
+    conversation / per_turn_pd: prefill engines produce KV, decode engines consume it (NIXL).
+    """
+    device = "cuda" if on_gpu else "cpu"
+    if policy in ("colocated", "round_robin"):
+        return KVTransferPlan(connector=None, role=None, buffer_device=device)
+    kv_role = "kv_producer" if role == "prefill" else "kv_both"
+    return KVTransferPlan(connector="NixlConnector", role=kv_role, buffer_device=device)

