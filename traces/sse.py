@@ -1,0 +1,97 @@
+"""Server-sent events of an OpenAI streaming chat completion: parse lines, accumulate a reply.
+
+A stream is lines of `data: {json chunk}` separated by blank lines and ended by `data: [DONE]`.
+A chunk carries `choices[0].delta.content`, and (with stream_options.include_usage) a last chunk
+carries `usage`. A server may report a failure mid-stream as a data event with an "error" key.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SseEvent:
+    """One `data:` line: the [DONE] sentinel, a JSON object, or an unparseable payload."""
+
+    done: bool = False
+    data: dict[str, Any] | None = None
+    malformed: str | None = None  # the raw payload when it is not a JSON object
+
+
+def parse_sse_line(line: str) -> SseEvent | None:
+    """The event on a `data:` line; None for blank lines, comments and other fields."""
+    line = line.rstrip("\r\n")
+    if not line.startswith("data:"):
+        return None
+    payload = line[len("data:"):].strip()
+    if payload == "[DONE]":
+        return SseEvent(done=True)
+    try:
+        data = json.loads(payload)
+    except json.JSONDecodeError:
+        return SseEvent(malformed=payload)
+    if not isinstance(data, dict):
+        return SseEvent(malformed=payload)
+    return SseEvent(data=data)
+
+
+def error_message(body: Any) -> str | None:
+    """The message of an OpenAI-style error ({"error": {"message", "type", "code"}} or a str)."""
+    if not isinstance(body, dict) or "error" not in body or body["error"] is None:
+        return None
+    err = body["error"]
+    if isinstance(err, dict):
+        message = str(err.get("message") or "unknown error")
+        kind = err.get("type") or err.get("code")
+        return f"{kind}: {message}" if kind else message
+    return str(err)
+
+
+@dataclass
+class StreamAccumulator:
+    """The state of one streamed reply: status, text so far, first-token time, usage, error."""
+
+    status: int | None = None  # HTTP status, once the response headers arrived
+    text_parts: list[str] = field(default_factory=list)
+    first_token_at: float | None = None
+    usage: dict[str, Any] | None = None
+    error: str | None = None
+    done: bool = False
+
+    def feed(self, event: SseEvent, now: float) -> None:
+        if event.done:
+            self.done = True
+            return
+        if event.malformed is not None:
+            self.error = f"malformed stream event: {event.malformed[:200]}"
+            return
+        data = event.data or {}
+        message = error_message(data)
+        if message is not None:
+            self.error = message
+            return
+        if data.get("usage"):
+            self.usage = data["usage"]
+        for choice in data.get("choices") or []:
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                if self.first_token_at is None:
+                    self.first_token_at = now
+                self.text_parts.append(content)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def usage_int(self, key: str) -> int | None:
+        value = (self.usage or {}).get(key)
+        return int(value) if value is not None else None
+
+    @property
+    def cached_tokens(self) -> int | None:
+        details = (self.usage or {}).get("prompt_tokens_details") or {}
+        value = details.get("cached_tokens")
+        return int(value) if value is not None else None
