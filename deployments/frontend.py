@@ -32,6 +32,15 @@ class Backend(Protocol):
 
 
 @dataclass(frozen=True)
+class Reply:
+    """A reply ready for HTTP: a JSON body or an SSE event stream, and the replica that served it."""
+
+    body: dict[str, Any] | None
+    events: AsyncIterator[str] | None
+    replica: str | None
+
+
+@dataclass(frozen=True)
 class Prepared:
     """A validated request, ready for an engine."""
 
@@ -126,7 +135,7 @@ class OpenAIFrontend:
         return Prepared(endpoint=endpoint, request=req, model=self.model_id, stream=body.stream, include_usage=include_usage)
 
     # ---- generation ----------------------------------------------------------------------------
-    async def complete(self, p: Prepared) -> dict[str, Any]:
+    async def complete(self, p: Prepared) -> Reply:
         """Non-streaming: the whole reply as one JSON body (raises APIError on failure)."""
         t0 = time.monotonic()
         acc = _Accumulator(self._metrics, p.endpoint, t0)
@@ -140,9 +149,9 @@ class OpenAIFrontend:
         self._metrics.request_done(p.endpoint, 200)
         use = usage(acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens)
         build = chat_response if p.endpoint == "chat" else completion_response
-        return build(p.request.request_id, p.model, "".join(acc.texts), acc.finish_reason, use)
+        return Reply(body=build(p.request.request_id, p.model, "".join(acc.texts), acc.finish_reason, use), events=None, replica=acc.replica)
 
-    async def open_stream(self, p: Prepared) -> AsyncIterator[str]:
+    async def open_stream(self, p: Prepared) -> Reply:
         """Streaming: waits for the engine's first output so that a failure before any token is a
         proper HTTP error (raised here); later failures arrive as an in-stream error event."""
         t0 = time.monotonic()
@@ -155,7 +164,8 @@ class OpenAIFrontend:
         except APIError as e:
             self._metrics.request_done(p.endpoint, e.status)
             raise
-        return self._stream_events(p, acc, first, deltas)
+        replica = first.replica if first is not None else None
+        return Reply(body=None, events=self._stream_events(p, acc, first, deltas), replica=replica)
 
     async def _stream_events(self, p: Prepared, acc: "_Accumulator", first: GenerationDelta | None, rest: AsyncIterator[GenerationDelta]) -> AsyncIterator[str]:
         rid, model = p.request.request_id, p.model
@@ -218,9 +228,11 @@ class _Accumulator:
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.texts: list[str] = []
+        self.replica: str | None = None
         self._t_first: float | None = None
 
     def add(self, d: GenerationDelta) -> None:
+        self.replica = self.replica or d.replica
         if d.token_ids and self._t_first is None:
             self._t_first = time.monotonic()
             self._metrics.ttft(self._endpoint, self._t_first - self._t0)

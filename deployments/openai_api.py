@@ -20,6 +20,7 @@ from deployments.protocol import SESSION_ID_MAX, ChatCompletionRequest, Completi
 logger = logging.getLogger("baton.api")
 
 SESSION_HEADER = "x-session-id"
+REPLICA_HEADER = "x-baton-replica"  # which engine replica served the request (debugging, tests)
 _SESSION_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,%d}$" % SESSION_ID_MAX)
 
 HealthCheck = Callable[[], Awaitable[dict[str, Any]]]
@@ -101,8 +102,10 @@ def build_openai_app(frontend: OpenAIFrontend, health: HealthCheck) -> FastAPI:
 
 
 async def _respond(frontend: OpenAIFrontend, prepared: Any, sid: str | None) -> Any:
+    reply = await (frontend.open_stream(prepared) if prepared.stream else frontend.complete(prepared))
     headers = {SESSION_HEADER: sid} if sid else {}
-    if prepared.stream:
-        events = await frontend.open_stream(prepared)
-        return StreamingResponse(events, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
-    return JSONResponse(await frontend.complete(prepared), headers=headers)
+    if reply.replica:
+        headers[REPLICA_HEADER] = reply.replica
+    if reply.events is not None:
+        return StreamingResponse(reply.events, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
+    return JSONResponse(reply.body, headers=headers)

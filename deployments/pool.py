@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +23,7 @@ class EngineReplica:
 
     def __init__(self, pool: str, spec: EngineSpec):
         self._pool = pool
+        self._replica_id = _own_replica_id()
         t0 = time.monotonic()
         self._runner = EngineRunner(spec)
         self.start_seconds = time.monotonic() - t0
@@ -32,7 +34,11 @@ class EngineReplica:
         logger.info("pool %s: engine up in %.1fs (pid %d)", pool, self.start_seconds, os.getpid())
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        first = True
         async for delta in self._runner.generate(request):
+            if first:
+                delta = replace(delta, replica=self._replica_id)
+                first = False
             yield delta
 
     async def record_routing_stats(self) -> dict[str, Any]:
@@ -57,6 +63,13 @@ class EngineReplica:
         runner = getattr(self, "_runner", None)
         if runner is not None:
             runner.shutdown()
+
+
+def _own_replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (tests), there is no replica context
+        return f"pid-{os.getpid()}"
 
 
 def _rss_bytes() -> int:

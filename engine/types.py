@@ -1,7 +1,7 @@
 """Typed messages between the ingress and the engine replicas (no vLLM import: the ingress uses them too)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -40,6 +40,7 @@ class GenerationDelta:
     finished: bool = False
     finish_reason: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    replica: str | None = None  # set on a request's first delta by the replica that serves it
 
 
 @dataclass(frozen=True)
@@ -69,14 +70,3 @@ class EngineUnavailable(RuntimeError):
 
 class EngineRequestError(ValueError):
     """The engine rejected one request (bad parameters); the ingress answers 400 with this reason."""
-
-
-@dataclass
-class RequestTotals:
-    """Per-request accounting the ingress builds from deltas."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reason: str | None = None
-    text_parts: list[str] = field(default_factory=list)

@@ -1,0 +1,82 @@
+"""End-to-end fixtures: a local Ray cluster + Serve + real vLLM engines on SmolLM2 (this CPU).
+
+One application per test module (starting it costs ~1 min). The pools use the same builder as
+`serve run cluster_configs/local.yaml`, with the local YAML's args adjusted for 2 cores."""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
+
+
+def local_args() -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / "cluster_configs" / "local.yaml").read_text())
+    return copy.deepcopy(doc["applications"][0]["args"])
+
+
+def e2e_args(decode_replicas: int = 2, prefill_replicas: int = 1) -> dict[str, Any]:
+    args = local_args()
+    for name, n in (("prefill", prefill_replicas), ("decode", decode_replicas)):
+        pool = args[name]
+        pool["num_replicas"] = n
+        pool["resources"] = {"num_cpus": 0.5, "custom": {f"{name}_slot": 1}}
+        pool["engine"] = {**pool["engine"], "max_model_len": 4096, "kv_cache_gib": 0.5}
+    return args
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_app(args: dict[str, Any]) -> str:
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    if not (MODEL_DIR / "config.json").exists():
+        pytest.fail(f"model not provisioned at {MODEL_DIR}: run `make setup` (scripts/setup.sh)")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, resources={"prefill_slot": 2, "decode_slot": 4}, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(args), name="baton", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=10).json().get("status") == "ok":
+                return url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("application did not become healthy")
+
+
+def stop_app() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def baton_url() -> Any:
+    url = start_app(e2e_args())
+    try:
+        yield url
+    finally:
+        stop_app()
