@@ -4,4 +4,5 @@ import sys
 
 from baton.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # spawned child processes (vLLM, benchmarks) re-import this module
+    sys.exit(main())

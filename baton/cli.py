@@ -15,6 +15,7 @@ from typing import Sequence
 
 COMMAND_MODULES: tuple[str, ...] = (
     "traces.commands",  # baton replay, baton trace {bfcl,locomo,check}
+    "bench.commands",  # baton bench <name> [--quick]
 )
 
 

@@ -6,6 +6,7 @@ Everything a client can get wrong is caught here, before any engine work, as an 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +26,8 @@ from deployments.protocol import (
     usage,
 )
 from engine.types import EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
+
+logger = logging.getLogger("baton.api")
 
 
 class Backend(Protocol):
@@ -73,6 +76,10 @@ class OpenAIFrontend:
         self._max_model_len = max_model_len
         self._default_max_tokens = default_max_tokens
         self._metrics = metrics
+
+    def record_rejected(self, endpoint: str, status: int) -> None:
+        """Count a request refused before generation (bad input, unknown model, too long)."""
+        self._metrics.request_done(endpoint, status)
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "owned_by": "baton", "max_model_len": self._max_model_len}]}
@@ -145,6 +152,9 @@ class OpenAIFrontend:
         except APIError as e:
             self._metrics.request_done(p.endpoint, e.status)
             raise
+        except Exception:
+            self._metrics.request_done(p.endpoint, 500)
+            raise
         acc.finish()
         self._metrics.request_done(p.endpoint, 200)
         use = usage(acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens)
@@ -163,6 +173,9 @@ class OpenAIFrontend:
             first = None
         except APIError as e:
             self._metrics.request_done(p.endpoint, e.status)
+            raise
+        except Exception:
+            self._metrics.request_done(p.endpoint, 500)
             raise
         replica = first.replica if first is not None else None
         return Reply(body=None, events=self._stream_events(p, acc, first, deltas), replica=replica)
@@ -193,6 +206,11 @@ class OpenAIFrontend:
         except APIError as e:
             status = e.status
             yield sse(e.body())
+            yield sse("[DONE]")
+        except Exception as e:  # a bug of ours mid-stream: end the stream cleanly, log the trace
+            logger.exception("unexpected error while streaming %s", rid)
+            status = 500
+            yield sse(APIError(500, f"internal error ({type(e).__name__})", type="server_error", code="internal_error").body())
             yield sse("[DONE]")
         finally:
             await rest.aclose()  # type: ignore[attr-defined]  # aborts the engine request if unfinished

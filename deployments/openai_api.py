@@ -86,16 +86,24 @@ def build_openai_app(frontend: OpenAIFrontend, health: HealthCheck) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        body = await _parse(request, ChatCompletionRequest)
-        sid = session_id_of(request, body.session_id)
-        prepared = frontend.prepare_chat(body, sid)
+        try:
+            body = await _parse(request, ChatCompletionRequest)
+            sid = session_id_of(request, body.session_id)
+            prepared = frontend.prepare_chat(body, sid)
+        except APIError as e:
+            frontend.record_rejected("chat", e.status)
+            raise
         return await _respond(frontend, prepared, sid)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        body = await _parse(request, CompletionRequest)
-        sid = session_id_of(request, body.session_id)
-        prepared = frontend.prepare_completion(body, sid)
+        try:
+            body = await _parse(request, CompletionRequest)
+            sid = session_id_of(request, body.session_id)
+            prepared = frontend.prepare_completion(body, sid)
+        except APIError as e:
+            frontend.record_rejected("completions", e.status)
+            raise
         return await _respond(frontend, prepared, sid)
 
     return app

@@ -40,12 +40,12 @@ def rank_by_load(loads: list[ReplicaLoad], w: LoadWeights) -> tuple[tuple[str, .
     """Replicas grouped into ranks of equal score, least loaded first."""
     ranks: list[list[str]] = []
     last: float | None = None
-    for load in sorted(loads, key=lambda x: (load_score(x, w), x.replica_id)):
-        score = round(load_score(load, w), 9)
+    scored = sorted((round(load_score(x, w), 9), x.replica_id) for x in loads)
+    for score, replica_id in scored:
         if last is None or score != last:
             ranks.append([])
             last = score
-        ranks[-1].append(load.replica_id)
+        ranks[-1].append(replica_id)
     return tuple(tuple(r) for r in ranks)
 
 

@@ -1,0 +1,248 @@
+"""Config -> engine (engine/args.py, kv_transfer/config.py) and config -> Serve options
+(the pure helpers of deployments/app.py). No engine or Ray is started."""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deployments.config import AppConfig, ConfigError, EngineConfig, PoolConfig, load_app_config
+from engine.args import GIB, EngineSpec, build_engine_spec, resolve_model_path
+from kv_transfer.config import kv_transfer_plan
+
+with warnings.catch_warnings():  # Ray Serve's own pydantic models warn on import; not ours to fix
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from deployments.app import PROJECT_ROOT, build_app, pool_options, project_path, ray_actor_options
+    from deployments.pool import EngineReplicaDeployment
+
+MODEL_PATH = "/models/m"
+CACHE_ROOT = "/cache-root"
+
+
+def spec_of(cfg: EngineConfig | None = None, *, role: str = "decode", policy: str = "colocated", on_gpu: bool = False) -> EngineSpec:
+    return build_engine_spec(
+        cfg or EngineConfig(model="m"), role=role, policy=policy, model_path=MODEL_PATH, on_gpu=on_gpu, cache_root=CACHE_ROOT  # type: ignore[arg-type]
+    )
+
+
+# ---- kv_transfer_config by policy and role --------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["colocated", "round_robin"])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_whole_request_policies_have_no_kv_connector(policy: str, role: str, on_gpu: bool) -> None:
+    assert "kv_transfer_config" not in spec_of(role=role, policy=policy, on_gpu=on_gpu).engine_kwargs
+    assert kv_transfer_plan(role, policy, on_gpu).as_engine_arg() is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", ["conversation", "per_turn_pd"])
+@pytest.mark.parametrize(
+    "role, on_gpu, expected",
+    [
+        ("prefill", False, {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}),
+        ("decode", False, {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}),
+        ("prefill", True, {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cuda"}),
+        ("decode", True, {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cuda"}),
+    ],
+)
+def test_disaggregated_policies_get_nixl_by_role(policy: str, role: str, on_gpu: bool, expected: dict[str, str]) -> None:
+    assert spec_of(role=role, policy=policy, on_gpu=on_gpu).engine_kwargs["kv_transfer_config"] == expected
+
+
+# ---- engine kwargs -----------------------------------------------------------------------------
+
+
+def test_engine_kwargs_come_from_the_config() -> None:
+    cfg = EngineConfig(model="m", max_model_len=2048, dtype="float32", enforce_eager=False, enable_prefix_caching=False, max_num_seqs=7, seed=42)
+    kw = spec_of(cfg).engine_kwargs
+    assert kw["model"] == MODEL_PATH and kw["tokenizer"] == MODEL_PATH
+    assert (kw["max_model_len"], kw["dtype"], kw["enforce_eager"], kw["enable_prefix_caching"], kw["max_num_seqs"], kw["seed"]) == (
+        2048, "float32", False, False, 7, 42,
+    )
+    assert spec_of(cfg).model_path == MODEL_PATH
+
+
+def test_explicit_tokenizer_wins_over_the_model_path() -> None:
+    assert spec_of(EngineConfig(model="m", tokenizer="/tok")).engine_kwargs["tokenizer"] == "/tok"
+
+
+@pytest.mark.parametrize("gib, expected", [(1.0, GIB), (1.5, 3 * (1 << 29)), (0.25, 1 << 28)])
+def test_kv_cache_gib_becomes_kv_cache_memory_bytes(gib: float, expected: int) -> None:
+    kw = spec_of(EngineConfig(model="m", kv_cache_gib=gib)).engine_kwargs
+    assert kw["kv_cache_memory_bytes"] == expected and isinstance(kw["kv_cache_memory_bytes"], int)
+    assert "kv_cache_gib" not in kw
+
+
+def test_gpu_only_and_optional_fields_are_set_only_when_they_apply() -> None:
+    cpu = spec_of(EngineConfig(model="m", gpu_memory_utilization=0.5)).engine_kwargs
+    gpu = spec_of(EngineConfig(model="m", gpu_memory_utilization=0.5), on_gpu=True).engine_kwargs
+    assert "gpu_memory_utilization" not in cpu and gpu["gpu_memory_utilization"] == 0.5
+    assert "block_size" not in cpu and "max_num_batched_tokens" not in cpu
+    kw = spec_of(EngineConfig(model="m", block_size=16, max_num_batched_tokens=512)).engine_kwargs
+    assert kw["block_size"] == 16 and kw["max_num_batched_tokens"] == 512
+
+
+def test_extra_engine_args_pass_through_unchanged() -> None:
+    extra: dict[str, Any] = {"swap_space": 2, "limit_mm_per_prompt": {"image": 0}}
+    cfg = EngineConfig(model="m", extra_engine_args=extra)
+    kw = spec_of(cfg).engine_kwargs
+    assert kw["swap_space"] == 2 and kw["limit_mm_per_prompt"] == {"image": 0}
+    assert cfg.extra_engine_args == {"swap_space": 2, "limit_mm_per_prompt": {"image": 0}}  # input untouched
+
+
+@pytest.mark.parametrize("key", ["max_model_len", "model", "kv_cache_memory_bytes", "disable_log_stats"])
+def test_extra_engine_args_may_not_override_baton_fields(key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        spec_of(EngineConfig(model="m", extra_engine_args={key: 1}))
+
+
+def test_extra_kv_transfer_config_clashes_only_when_the_policy_sets_one() -> None:
+    own = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    cfg = EngineConfig(model="m", extra_engine_args={"kv_transfer_config": own})
+    assert spec_of(cfg, policy="colocated").engine_kwargs["kv_transfer_config"] == own
+    with pytest.raises(ValueError, match="kv_transfer_config"):
+        spec_of(cfg, policy="conversation")
+
+
+def test_build_engine_spec_is_pure() -> None:
+    cfg = EngineConfig(model="m", extra_engine_args={"swap_space": 2})
+    assert spec_of(cfg) == spec_of(cfg)
+    before = dict(os.environ)
+    spec_of(cfg)
+    assert dict(os.environ) == before  # the environment is returned, never set
+
+
+# ---- process environment ---------------------------------------------------------------------------
+
+
+def test_cpu_engine_environment() -> None:
+    env = spec_of(EngineConfig(model="m", cpu_threads=3, cpu_threads_bind="0-2")).env
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["OMP_NUM_THREADS"] == "3"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-2"
+    assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
+    assert env["VLLM_CACHE_ROOT"] == os.path.join(CACHE_ROOT, "vllm")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(CACHE_ROOT, "inductor")
+    assert all(isinstance(v, str) for v in env.values())
+
+
+def test_gpu_engine_environment_has_no_cpu_threading() -> None:
+    env = spec_of(EngineConfig(model="m", cpu_threads=3), on_gpu=True).env
+    assert "OMP_NUM_THREADS" not in env and "VLLM_CPU_OMP_THREADS_BIND" not in env
+    assert env["HF_HUB_OFFLINE"] == "1"
+
+
+# ---- model resolution -------------------------------------------------------------------------------
+
+
+def make_model(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def test_resolve_model_path_accepts_a_model_folder(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "models" / "tiny")
+    assert resolve_model_path(str(model), str(tmp_path / "empty-cache")) == str(model)
+
+
+def test_resolve_model_path_makes_relative_folders_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_model(tmp_path / "models" / "tiny")
+    monkeypatch.chdir(tmp_path)
+    resolved = resolve_model_path("models/tiny", "nowhere")
+    assert os.path.isabs(resolved) and resolved == str(tmp_path / "models" / "tiny")
+
+
+def test_resolve_model_path_finds_a_name_under_the_cache(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    model = make_model(cache / "SmolLM2-135M-Instruct")
+    assert resolve_model_path("SmolLM2-135M-Instruct", str(cache)) == str(model)
+
+
+def test_a_folder_without_config_json_is_not_a_model(tmp_path: Path) -> None:
+    (tmp_path / "cache" / "half-provisioned").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError) as info:
+        resolve_model_path("half-provisioned", str(tmp_path / "cache"))
+    message = str(info.value)
+    assert "'half-provisioned'" in message
+    assert "setup" in message
+    assert str(tmp_path / "cache") in message
+
+
+# ---- Serve options (deployments/app.py helpers) -----------------------------------------------------
+
+
+def pool(**fields: Any) -> PoolConfig:
+    return PoolConfig.model_validate({"engine": {"model": "m"}, **fields})
+
+
+def app_config(decode: dict[str, Any] | None = None, **top: Any) -> AppConfig:
+    return load_app_config({"prefill": {"engine": {"model": "m"}}, "decode": {"engine": {"model": "m"}, **(decode or {})}, **top})
+
+
+def test_ray_actor_options_for_a_cpu_pool() -> None:
+    env = {"OMP_NUM_THREADS": "1"}
+    opts = ray_actor_options(pool(resources={"num_cpus": 2, "custom": {"decode_slot": 1}}), env)
+    assert opts == {"num_cpus": 2.0, "runtime_env": {"env_vars": env}, "resources": {"decode_slot": 1.0}}
+
+
+def test_ray_actor_options_for_a_gpu_pool() -> None:
+    opts = ray_actor_options(pool(resources={"num_cpus": 4, "num_gpus": 1, "accelerator_type": "H100", "memory_gib": 2}), {})
+    assert opts["num_gpus"] == 1.0
+    assert opts["accelerator_type"] == "H100"
+    assert opts["memory"] == 2 * GIB and isinstance(opts["memory"], int)
+    assert "resources" not in opts
+
+
+def test_ray_actor_options_do_not_share_the_config_dicts() -> None:
+    p = pool(resources={"custom": {"decode_slot": 1}})
+    ray_actor_options(p, {})["resources"]["decode_slot"] = 99
+    assert p.resources.custom == {"decode_slot": 1.0}
+
+
+def test_pool_options_with_fixed_replicas() -> None:
+    cfg = app_config(decode={"num_replicas": 3, "max_ongoing_requests": 12}, routing={"kv_weight": 2.0, "queue_weight": 0.5})
+    spec = spec_of(cfg.decode.engine)
+    opts = pool_options("decode", cfg.decode, spec, cfg)
+    assert opts["name"] == "decode"
+    assert opts["num_replicas"] == 3 and "autoscaling_config" not in opts
+    assert opts["max_ongoing_requests"] == 12
+    assert opts["ray_actor_options"]["runtime_env"]["env_vars"] == spec.env
+    router = opts["request_router_config"]
+    assert router.request_router_kwargs == {"kv_weight": 2.0, "queue_weight": 0.5}
+    assert router.request_router_class.endswith("ConversationAffinityRouter")
+    assert router.request_routing_stats_period_s == cfg.decode.routing_stats_period_s
+
+
+def test_pool_options_with_autoscaling_replace_num_replicas() -> None:
+    auto = {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 2, "target_ongoing_requests": 3, "upscale_delay_s": 1, "downscale_delay_s": 5}
+    cfg = app_config(decode={"num_replicas": 1, "autoscaling": auto})
+    opts = pool_options("decode", cfg.decode, spec_of(cfg.decode.engine), cfg)
+    assert "num_replicas" not in opts
+    a = opts["autoscaling_config"]
+    assert (a.min_replicas, a.max_replicas, a.initial_replicas, a.target_ongoing_requests, a.upscale_delay_s, a.downscale_delay_s) == (1, 4, 2, 3, 1, 5)
+
+
+@pytest.mark.parametrize("decode", [{"num_replicas": 2}, {"autoscaling": {"min_replicas": 0, "max_replicas": 2}}])
+def test_pool_options_are_accepted_by_serve(decode: dict[str, Any]) -> None:
+    """Serve validates deployment options without a cluster; a key or type it rejects fails here."""
+    cfg = app_config(decode={"resources": {"num_gpus": 1, "accelerator_type": "L4", "custom": {"decode_slot": 1}}, **decode})
+    opts = pool_options("decode", cfg.decode, spec_of(cfg.decode.engine, on_gpu=True), cfg)
+    deployment = EngineReplicaDeployment.options(**opts)
+    assert deployment.name == "decode"
+    assert deployment.ray_actor_options["resources"] == {"decode_slot": 1.0}
+
+
+def test_project_path() -> None:
+    assert project_path("/abs/models") == "/abs/models"
+    assert project_path(".cache/models") == str(PROJECT_ROOT / ".cache" / "models")
+    assert (PROJECT_ROOT / "deployments" / "app.py").is_file()
+
+
+def test_build_app_reports_a_missing_model_as_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"decode\.engine\.model: .*'absent'.*setup"):
+        build_app({"model_cache": str(tmp_path), "prefill": {"engine": {"model": "absent"}}, "decode": {"engine": {"model": "absent"}}})
