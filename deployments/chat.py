@@ -16,6 +16,7 @@ class PromptRenderer:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template")
         self._tok = tokenizer
+        self._vocab_size = len(tokenizer)
 
     @classmethod
     def from_path(cls, path: str) -> "PromptRenderer":
@@ -36,7 +37,7 @@ class PromptRenderer:
         return list(self._tok(text, add_special_tokens=False)["input_ids"])
 
     def check_token_ids(self, ids: list[int]) -> None:
-        size = len(self._tok)
+        size = self._vocab_size
         bad = next((i for i in ids if i < 0 or i >= size), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {size})", param="prompt")

@@ -117,7 +117,7 @@ class EngineRunner:
         finished = False
         try:
             while True:
-                item = await stream.out.get()
+                item = _coalesce(await stream.out.get(), stream.out)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -250,6 +250,28 @@ class EngineRunner:
             in_flight=in_flight,
             steps=steps,
         )
+
+
+def _coalesce(item: Any, pending: asyncio.Queue) -> Any:
+    """Merge deltas that queued up while the consumer was busy into one, so a slow consumer
+    (Serve streaming, HTTP) handles one message per wake-up instead of one per engine step.
+    An exception or a finished delta ends the merge; nothing queued after it exists."""
+    while isinstance(item, GenerationDelta) and not item.finished and not pending.empty():
+        nxt = pending.get_nowait()
+        if isinstance(nxt, BaseException):
+            pending.put_nowait(nxt)  # deliver the tokens first, the error on the next get
+            break
+        item = GenerationDelta(
+            text=item.text + nxt.text,
+            token_ids=item.token_ids + nxt.token_ids,
+            prompt_tokens=nxt.prompt_tokens or item.prompt_tokens,
+            cached_tokens=max(item.cached_tokens, nxt.cached_tokens),
+            finished=nxt.finished,
+            finish_reason=nxt.finish_reason,
+            kv_transfer_params=nxt.kv_transfer_params or item.kv_transfer_params,
+            replica=item.replica or nxt.replica,
+        )
+    return item
 
 
 def _find_scheduler(engine: Any) -> Any:
