@@ -18,7 +18,10 @@ from deployments.config import AppConfig, ConfigError, PoolConfig, load_app_conf
 from deployments.ingress import Ingress, IngressSettings
 from deployments.pool import EngineReplicaDeployment
 from engine.args import EngineSpec, build_engine_spec, resolve_model_path
-from router.serve_router import ConversationAffinityRouter
+from router.directory import ConversationDirectoryDeployment
+from router.directory_state import DirectorySettings
+from router.policy import PlacementWeights
+from router.serve_router import TargetedLoadRouter
 
 logger = logging.getLogger("ray.serve")
 
@@ -53,8 +56,8 @@ def pool_options(name: str, pool: PoolConfig, spec: EngineSpec, cfg: AppConfig) 
         "health_check_timeout_s": 30.0,
         "graceful_shutdown_timeout_s": 10.0,
         "request_router_config": RequestRouterConfig(
-            request_router_class=ConversationAffinityRouter,
-            request_router_kwargs={"kv_weight": cfg.routing.kv_weight, "queue_weight": cfg.routing.queue_weight},
+            request_router_class=TargetedLoadRouter,
+            request_router_kwargs={"kv_weight": cfg.routing.kv_weight, "queue_weight": cfg.routing.queue_weight, "prefill_token_weight": cfg.routing.prefill_token_weight},
             request_routing_stats_period_s=pool.routing_stats_period_s,
             request_routing_stats_timeout_s=max(1.0, pool.routing_stats_period_s),
         ),
@@ -74,10 +77,6 @@ def pool_options(name: str, pool: PoolConfig, spec: EngineSpec, cfg: AppConfig) 
     return opts
 
 
-def _pool_runs(pool: PoolConfig) -> bool:
-    return pool.num_replicas > 0 if pool.autoscaling is None else pool.autoscaling.max_replicas > 0
-
-
 def build_app(args: dict[str, Any] | AppConfig) -> Application:
     cfg = load_app_config(args)
     cache = project_path(cfg.model_cache)
@@ -91,20 +90,30 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         on_gpu = pool.resources.num_gpus > 0
         return build_engine_spec(pool.engine, role=role, policy=cfg.routing.policy, model_path=model_path, on_gpu=on_gpu, cache_root=cache_root)  # type: ignore[arg-type]
 
+    r = cfg.routing
+    directory = ConversationDirectoryDeployment.bind(
+        DirectorySettings(
+            policy=r.policy,
+            conversation_ttl_s=r.conversation_ttl_s,
+            stale_after_s=r.replica_stale_after_s,
+            weights=PlacementWeights(pin_weight=r.pin_weight, queue_weight=r.queue_weight),
+        )
+    )
     decode_spec = spec("decode", cfg.decode)
-    decode = EngineReplicaDeployment.options(**pool_options("decode", cfg.decode, decode_spec, cfg)).bind("decode", decode_spec)
+    decode = EngineReplicaDeployment.options(**pool_options("decode", cfg.decode, decode_spec, cfg)).bind("decode", decode_spec, directory)
     prefill = None
-    if _pool_runs(cfg.prefill):
+    if r.disaggregated and cfg.prefill is not None:
         prefill_spec = spec("prefill", cfg.prefill)
-        prefill = EngineReplicaDeployment.options(**pool_options("prefill", cfg.prefill, prefill_spec, cfg)).bind("prefill", prefill_spec)
+        prefill = EngineReplicaDeployment.options(**pool_options("prefill", cfg.prefill, prefill_spec, cfg)).bind("prefill", prefill_spec, directory)
     settings = IngressSettings(
         model_id=cfg.ingress.served_model_name or os.path.basename(model_path.rstrip("/")),
         model_path=model_path,
-        max_model_len=min(cfg.decode.engine.max_model_len, cfg.prefill.engine.max_model_len),
+        max_model_len=min(p.engine.max_model_len for p in (cfg.decode, cfg.prefill) if p is not None),
         default_max_tokens=cfg.ingress.default_max_tokens,
+        disaggregated=r.disaggregated,
     )
     return Ingress.options(
         num_replicas=cfg.ingress.num_replicas,
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.ingress.num_cpus, "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}}},
-    ).bind(decode, prefill, settings)
+    ).bind(decode, prefill, directory, settings)

@@ -1,17 +1,27 @@
-"""The ingress's way to the engine pools over Serve handles, with Ray failures turned into the
-engine errors the frontend understands (503 / 400), never a stack trace."""
+"""The ingress's way to the engine pools: ask the conversation directory where a turn goes,
+prefill it on the prefill pool when the plan says so (its KV then moves to the decoder over
+NIXL), and stream the decoder's output. Ray failures become the engine errors the frontend
+understands (503 / 400), never a stack trace; a failed prefill or transfer falls back to
+prefilling on the decoder; a decoder that dies before the first token is replaced once."""
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from ray import exceptions as ray_exceptions
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from engine.types import EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest
+from engine.types import EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
 
 logger = logging.getLogger("ray.serve")
+
+DIRECTORY_TIMEOUT_S = 5.0
+
+
+class ReplicaLost(EngineUnavailable):
+    """The replica serving the request died or became unreachable."""
 
 
 def translate_error(e: BaseException) -> BaseException:
@@ -28,32 +38,84 @@ def translate_error(e: BaseException) -> BaseException:
     if isinstance(e, DeploymentUnavailableError):
         return EngineUnavailable("engine pool is not available")
     if isinstance(e, ray_exceptions.RayActorError):  # died / unavailable replica
-        return EngineUnavailable("the engine replica died while serving the request")
+        return ReplicaLost("the engine replica died while serving the request")
     return e
 
 
 class PoolBackend:
-    """Sends whole requests to the decode pool; the handle's session_id drives conversation affinity."""
+    """Serves one turn under the configured routing policy (decided by the directory)."""
 
-    def __init__(self, decode_handle: Any):
-        self._decode = decode_handle
+    def __init__(self, decode: Any, prefill: Any | None = None, directory: Any | None = None):
+        self._decode = decode
+        self._prefill = prefill
+        self._directory = directory
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
-        opts: dict[str, Any] = {"stream": True}
-        if request.session_id:
-            opts["session_id"] = request.session_id
-        gen = self._decode.options(**opts).generate.remote(request)
-        done = False
+        for attempt in (1, 2):
+            target, remote_prefill = await self._plan(request)
+            kv_params = await self._remote_prefill(request) if remote_prefill else None
+            decode_req = replace(request, target_replica=target, kv_transfer_params=kv_params)
+            gen = self._decode.options(stream=True).generate.remote(decode_req)
+            yielded = done = False
+            try:
+                async for delta in gen:
+                    if not yielded and delta.replica and delta.replica != target:
+                        await self._tell_directory("served", request.session_id, delta.replica)
+                    yielded = True
+                    done = delta.finished
+                    yield delta
+                return
+            except Exception as e:  # noqa: BLE001 - translated; unknown errors re-raised as they are
+                translated = translate_error(e)
+                if translated is e:
+                    raise
+                if isinstance(translated, ReplicaLost) and target is not None:
+                    await self._tell_directory("replica_failed", target)
+                    if not yielded and attempt == 1:
+                        logger.warning("decoder %s lost before the first token of %s; re-placing the turn", target, request.request_id)
+                        continue
+                logger.warning("request %s failed: %s", request.request_id, translated)
+                raise translated from None
+            finally:
+                if not done:
+                    gen.cancel()
+
+    async def _plan(self, request: GenerationRequest) -> tuple[str | None, bool]:
+        """(decode replica, remote prefill?) from the directory; without one, place by load."""
+        if self._directory is None:
+            return None, False
         try:
-            async for delta in gen:
-                yield delta
-                done = delta.finished
-        except Exception as e:  # noqa: BLE001 - translated; unknown errors re-raised as they are
-            translated = translate_error(e)
-            if translated is e:
-                raise
-            logger.warning("request %s failed: %s", request.request_id, translated)
-            raise translated from None
-        finally:
-            if not done:
-                gen.cancel()
+            plan = await self._directory.route.remote(request.session_id, request.user, len(request.prompt_token_ids))
+        except Exception as e:  # noqa: BLE001 - the directory is advice; serving goes on without it
+            logger.warning("conversation directory could not place %s (%s); placing by load", request.request_id, type(e).__name__)
+            return None, False
+        return plan.decode_replica, plan.remote_prefill and self._prefill is not None
+
+    async def _remote_prefill(self, request: GenerationRequest) -> dict[str, Any] | None:
+        """Prefill on the prefill pool; returns the KV handle for the decoder, or None to make the
+        decoder prefill locally (a failed prefill never fails the turn)."""
+        prefill_req = GenerationRequest(
+            request_id=f"{request.request_id}-prefill",
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=SamplingSpec(max_tokens=1, temperature=0.0),
+            session_id=request.session_id,
+            user=request.user,
+            kv_transfer_params={"do_remote_decode": True},
+        )
+        params = None
+        try:
+            async for delta in self._prefill.options(stream=True).generate.remote(prefill_req):
+                if delta.finished:
+                    params = delta.kv_transfer_params
+        except Exception as e:  # noqa: BLE001 - fall back to recompute on the decoder
+            logger.warning("remote prefill of %s failed (%s); the decoder prefills it", request.request_id, type(translate_error(e)).__name__)
+            return None
+        return params
+
+    async def _tell_directory(self, method: str, *args: Any) -> None:
+        if self._directory is None:
+            return
+        try:
+            await getattr(self._directory, method).remote(*args)
+        except Exception as e:  # noqa: BLE001 - advisory
+            logger.warning("directory %s failed: %s", method, type(e).__name__)

@@ -84,12 +84,24 @@ class IngressConfig(_Strict):
 
 
 class RoutingConfig(_Strict):
-    """How requests reach engines. The backbone serves whole requests on the decode pool with
-    conversation affinity; later policies add the prefill->decode handoff."""
+    """Where each turn of a conversation runs (see router/policy.py for the rules)."""
 
-    policy: Literal["colocated"] = "colocated"
-    kv_weight: float = Field(1.0, ge=0, description="weight of KV occupancy in a replica's load score")
-    queue_weight: float = Field(0.05, ge=0, description="weight per queued/running request in a replica's load score")
+    policy: Literal["conversation", "per_turn_pd", "colocated", "round_robin"] = Field(
+        "conversation",
+        description="conversation: first turn prefilled on the prefill pool, KV moved once (NIXL), later turns pinned to "
+        "that decoder; per_turn_pd: remote prefill + KV transfer every turn; colocated: whole requests on the decode "
+        "pool with conversation affinity; round_robin: whole requests, rotating",
+    )
+    conversation_ttl_s: float = Field(1800.0, gt=0, description="idle conversations lose their pin after this")
+    pin_weight: float = Field(0.02, ge=0, description="decoder score per pinned conversation (new-conversation placement)")
+    queue_weight: float = Field(0.05, ge=0, description="score per request in flight")
+    kv_weight: float = Field(1.0, ge=0, description="weight of KV occupancy in load-based placement")
+    prefill_token_weight: float = Field(1.0 / 8192, ge=0, description="load score per queued prefill token")
+    replica_stale_after_s: float = Field(10.0, gt=0, description="a replica that has not reported this long is not placed on")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.policy in ("conversation", "per_turn_pd")
 
 
 class AppConfig(_Strict):
@@ -97,19 +109,31 @@ class AppConfig(_Strict):
     model_cache: str = Field(".cache/models", description="folder that holds provisioned models (relative to the cwd)")
     ingress: IngressConfig = Field(default_factory=IngressConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
-    prefill: PoolConfig
-    decode: PoolConfig
+    prefill: PoolConfig | None = Field(None, description="prefill-heavy pool (KV producers); none (or 0 replicas) for colocated/round_robin")
+    decode: PoolConfig = Field(..., description="decode pool (KV consumers; the unified pool when not disaggregated)")
 
     @model_validator(mode="after")
-    def _same_model(self) -> "AppConfig":
-        if self.prefill.engine.model != self.decode.engine.model:
+    def _consistent(self) -> "AppConfig":
+        if self.prefill is not None and self.prefill.engine.model != self.decode.engine.model:
             raise ValueError(
                 f"prefill and decode pools must serve the same model "
                 f"(prefill: {self.prefill.engine.model!r}, decode: {self.decode.engine.model!r})"
             )
-        if self.decode.num_replicas == 0 and (self.decode.autoscaling is None or self.decode.autoscaling.max_replicas == 0):
+        if not _pool_can_run(self.decode):
             raise ValueError("decode pool needs at least one replica: it serves every request")
+        prefill_runs = self.prefill is not None and _pool_can_run(self.prefill)
+        if self.routing.disaggregated and not prefill_runs:
+            raise ValueError(f"routing.policy {self.routing.policy!r} prefills on the prefill pool: give it at least one replica")
+        if not self.routing.disaggregated and prefill_runs:
+            raise ValueError(
+                f"routing.policy {self.routing.policy!r} serves whole requests on the decode pool: set prefill.num_replicas to 0 "
+                f"(and give those engines to the decode pool)"
+            )
         return self
+
+
+def _pool_can_run(pool: PoolConfig) -> bool:
+    return pool.num_replicas > 0 if pool.autoscaling is None else pool.autoscaling.max_replicas > 0
 
 
 class ConfigError(ValueError):

@@ -137,7 +137,7 @@ class OpenAIFrontend:
             ignore_eos=body.ignore_eos,
         )
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
-        req = GenerationRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_token_ids=tuple(ids), sampling=sampling, session_id=session_id)
+        req = GenerationRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_token_ids=tuple(ids), sampling=sampling, session_id=session_id, user=body.user)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Prepared(endpoint=endpoint, request=req, model=self.model_id, stream=body.stream, include_usage=include_usage)
 

@@ -20,37 +20,44 @@ class IngressSettings:
     model_path: str
     max_model_len: int
     default_max_tokens: int
+    disaggregated: bool  # the policy prefills on the prefill pool
 
 
 @serve.deployment(name="ingress")
 @serve.ingress()
 class Ingress:
-    def __init__(self, decode: Any, prefill: Any, settings: IngressSettings):
-        self._decode = decode
-        self._prefill = prefill
+    def __init__(self, decode: Any, prefill: Any, directory: Any, settings: IngressSettings):
+        self._directory = directory
+        self._settings = settings
         self._frontend = OpenAIFrontend(
             model_id=settings.model_id,
             renderer=PromptRenderer.from_path(settings.model_path),
-            backend=PoolBackend(decode),
+            backend=PoolBackend(decode, prefill if settings.disaggregated else None, directory),
             max_model_len=settings.max_model_len,
             default_max_tokens=settings.default_max_tokens,
             metrics=ServeIngressMetrics(),
         )
 
     def __serve_build_asgi_app__(self) -> Any:
-        return build_openai_app(self._frontend, self._health)
+        try:
+            ingress_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside Serve
+            ingress_id = None
+        return build_openai_app(self._frontend, self._health, self._stats, ingress_id)
+
+    async def _stats(self) -> dict[str, Any]:
+        return await asyncio.wait_for(self._directory.snapshot.remote(), timeout=5.0)
 
     async def _health(self) -> dict[str, Any]:
-        report: dict[str, Any] = {"status": "ok", "model": self._frontend.model_id, "pools": {}}
-        pools = [("decode", self._decode)] + ([("prefill", self._prefill)] if self._prefill is not None else [])
-        for name, handle in pools:
-            try:
-                stats = await asyncio.wait_for(handle.engine_stats.remote(), timeout=5.0)
-                report["pools"][name] = {"healthy": stats.healthy, "kv_usage": stats.kv_usage, "running": stats.num_running}
-                if not stats.healthy and name == "decode":
-                    report["status"] = "degraded"
-            except Exception as e:  # noqa: BLE001 - a health probe reports, it does not raise
-                report["pools"][name] = {"healthy": False, "error": type(e).__name__}
-                if name == "decode":
-                    report["status"] = "unavailable"
-        return report
+        """ok when the directory sees a live decode replica (and a prefill replica where the
+        policy needs one); engines report to the directory every routing-stats period."""
+        try:
+            snap = await self._stats()
+        except Exception as e:  # noqa: BLE001 - a health probe reports, it does not raise
+            return {"status": "unavailable", "model": self._frontend.model_id, "error": f"directory: {type(e).__name__}"}
+        live = {"prefill": 0, "decode": 0}
+        for r in snap["replicas"].values():
+            if r["live"]:
+                live[r["pool"]] = live.get(r["pool"], 0) + 1
+        ready = live["decode"] > 0 and (live["prefill"] > 0 or not self._settings.disaggregated)
+        return {"status": "ok" if ready else "unavailable", "model": self._frontend.model_id, "policy": snap["policy"], "live_replicas": live}

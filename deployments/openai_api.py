@@ -21,6 +21,7 @@ logger = logging.getLogger("baton.api")
 
 SESSION_HEADER = "x-session-id"
 REPLICA_HEADER = "x-baton-replica"  # which engine replica served the request (debugging, tests)
+INGRESS_HEADER = "x-baton-ingress"  # which ingress replica answered
 _SESSION_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,%d}$" % SESSION_ID_MAX)
 
 HealthCheck = Callable[[], Awaitable[dict[str, Any]]]
@@ -54,7 +55,7 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
         raise bad_request(f"{where}: {err['msg']}{more}", param=where or None, code="invalid_value") from None
 
 
-def build_openai_app(frontend: OpenAIFrontend, health: HealthCheck) -> FastAPI:
+def build_openai_app(frontend: OpenAIFrontend, health: HealthCheck, stats: HealthCheck | None = None, ingress_id: str | None = None) -> FastAPI:
     app = FastAPI(title="Baton", description="OpenAI-compatible conversation serving on Ray Serve", version="0.1.0")
 
     @app.exception_handler(APIError)
@@ -80,6 +81,16 @@ def build_openai_app(frontend: OpenAIFrontend, health: HealthCheck) -> FastAPI:
         report = await health()
         return JSONResponse(report, status_code=200 if report.get("status") == "ok" else 503)
 
+    if stats is not None:
+
+        @app.get("/baton/stats")
+        async def stats_route() -> JSONResponse:
+            """Routing state: policy, live pins, handoffs, each replica's reported load and KV transfers."""
+            try:
+                return JSONResponse(await stats())
+            except Exception as e:  # noqa: BLE001
+                raise APIError(503, f"directory unavailable: {type(e).__name__}") from None
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return frontend.models()
@@ -93,7 +104,7 @@ def build_openai_app(frontend: OpenAIFrontend, health: HealthCheck) -> FastAPI:
         except APIError as e:
             frontend.record_rejected("chat", e.status)
             raise
-        return await _respond(frontend, prepared, sid)
+        return await _respond(frontend, prepared, sid, ingress_id)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -104,14 +115,16 @@ def build_openai_app(frontend: OpenAIFrontend, health: HealthCheck) -> FastAPI:
         except APIError as e:
             frontend.record_rejected("completions", e.status)
             raise
-        return await _respond(frontend, prepared, sid)
+        return await _respond(frontend, prepared, sid, ingress_id)
 
     return app
 
 
-async def _respond(frontend: OpenAIFrontend, prepared: Any, sid: str | None) -> Any:
+async def _respond(frontend: OpenAIFrontend, prepared: Any, sid: str | None, ingress_id: str | None) -> Any:
     reply = await (frontend.open_stream(prepared) if prepared.stream else frontend.complete(prepared))
     headers = {SESSION_HEADER: sid} if sid else {}
+    if ingress_id:
+        headers[INGRESS_HEADER] = ingress_id
     if reply.replica:
         headers[REPLICA_HEADER] = reply.replica
     if reply.events is not None:

@@ -21,11 +21,12 @@ logger = logging.getLogger("ray.serve")
 class EngineReplica:
     """Serve replica owning one EngineRunner. Streams GenerationDelta objects to its callers."""
 
-    def __init__(self, pool: str, spec: EngineSpec):
+    def __init__(self, pool: str, spec: EngineSpec, directory: Any = None):
         self._pool = pool
         self._replica_id = _own_replica_id()
+        self._directory = directory
         t0 = time.monotonic()
-        self._runner = EngineRunner(spec)
+        self._runner = EngineRunner(engine_spec_for_this_replica(spec))
         self.start_seconds = time.monotonic() - t0
         # Serve adds deployment (= pool) and replica tags to every metric
         self._kv_gauge = metrics.Gauge("baton_engine_kv_usage", "fraction of the KV pool in use")
@@ -42,14 +43,23 @@ class EngineReplica:
             yield delta
 
     async def record_routing_stats(self) -> dict[str, Any]:
+        """Called by Serve every routing_stats_period_s; also pushes the same figures to the
+        conversation directory (fire and forget: a slow directory never delays routing)."""
         stats = self._runner.stats
         self._kv_gauge.set(stats.kv_usage)
         self._running_gauge.set(stats.num_running)
         self._waiting_gauge.set(stats.num_waiting)
-        return stats.as_routing_stats()
+        report = {**stats.as_routing_stats(), **transfer_stats()}
+        if self._directory is not None and stats.healthy:
+            self._directory.report.remote(self._replica_id, self._pool, report)
+        return report
 
     async def engine_stats(self) -> EngineStats:
         return self._runner.stats
+
+    async def transfers(self) -> dict[str, Any]:
+        """KV transfers this replica's connector performed (counted by the connector itself)."""
+        return {"replica": self._replica_id, "pool": self._pool, **transfer_stats()}
 
     async def describe(self) -> dict[str, Any]:
         return {"pool": self._pool, "pid": os.getpid(), "start_seconds": self.start_seconds, "rss_bytes": _rss_bytes()}
@@ -63,6 +73,27 @@ class EngineReplica:
         runner = getattr(self, "_runner", None)
         if runner is not None:
             runner.shutdown()
+
+
+def engine_spec_for_this_replica(spec: EngineSpec) -> EngineSpec:
+    """A NIXL engine needs a side channel (host, port) of its own, chosen where it runs."""
+    if "kv_transfer_config" not in spec.engine_kwargs:
+        return spec
+    from kv_transfer.nixl import side_channel_env
+
+    return replace(spec, env={**spec.env, **side_channel_env()})
+
+
+def transfer_stats() -> dict[str, Any]:
+    from kv_transfer.ledger import process_ledger
+
+    t = process_ledger().totals()
+    return {
+        "kv_transfers_received": t.requests_received,
+        "kv_bytes_received": t.bytes_received,
+        "kv_transfer_failures": t.failures,
+        "kv_transfers_offered": t.requests_offered,
+    }
 
 
 def _own_replica_id() -> str:

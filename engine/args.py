@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.config import EngineConfig
-from kv_transfer.config import PoolRole, RoutingPolicy, kv_transfer_plan
+from kv_transfer.config import PoolRole, RoutingPolicy, kv_transfer_engine_arg
 
 GIB = 1 << 30
 
@@ -59,9 +59,9 @@ def build_engine_spec(
         kwargs["block_size"] = cfg.block_size
     if cfg.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-    plan = kv_transfer_plan(role, policy, on_gpu)
-    if plan.as_engine_arg() is not None:
-        kwargs["kv_transfer_config"] = plan.as_engine_arg()
+    kv_transfer = kv_transfer_engine_arg(role, policy, on_gpu)
+    if kv_transfer is not None:
+        kwargs["kv_transfer_config"] = kv_transfer
     clash = set(kwargs) & set(cfg.extra_engine_args)
     if clash:
         raise ValueError(f"extra_engine_args repeats fields Baton sets from the config: {sorted(clash)}")

@@ -149,6 +149,8 @@ class EngineRunner:
             return
         self.start_seconds = time.monotonic() - t0
         self._scheduler = _find_scheduler(engine)
+        self._kv_capacity_tokens = _kv_capacity_tokens(self._scheduler)
+        self._publish_stats(engine, 0)
         self._ready.set()
         steps = 0
         try:
@@ -243,10 +245,13 @@ class EngineRunner:
         if sched is None:
             self._stats = EngineStats(in_flight=in_flight, steps=steps)
             return
+        requests = list(sched.running) + list(sched.waiting)
         self._stats = EngineStats(
             kv_usage=float(sched.kv_cache_manager.usage),
+            kv_capacity_tokens=self._kv_capacity_tokens,
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
+            pending_prefill_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in requests),
             in_flight=in_flight,
             steps=steps,
         )
@@ -272,6 +277,13 @@ def _coalesce(item: Any, pending: asyncio.Queue) -> Any:
             replica=item.replica or nxt.replica,
         )
     return item
+
+
+def _kv_capacity_tokens(sched: Any) -> int:
+    try:
+        return int(sched.kv_cache_manager.block_pool.num_gpu_blocks * sched.block_size)
+    except AttributeError:
+        return 0
 
 
 def _find_scheduler(engine: Any) -> Any:

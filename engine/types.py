@@ -26,7 +26,9 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingSpec
     session_id: str | None = None
+    user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    target_replica: str | None = None  # the replica that must serve it (chosen by the directory)
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,10 @@ class EngineStats:
     """A snapshot the engine thread publishes after every step; read by routers and metrics."""
 
     kv_usage: float = 0.0
+    kv_capacity_tokens: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    pending_prefill_tokens: int = 0  # prompt tokens not yet computed, over running + waiting
     in_flight: int = 0
     healthy: bool = True
     reason: str = ""
@@ -58,8 +62,10 @@ class EngineStats:
     def as_routing_stats(self) -> dict[str, Any]:
         return {
             "kv_usage": self.kv_usage,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
+            "pending_prefill_tokens": self.pending_prefill_tokens,
             "in_flight": self.in_flight,
         }
 

@@ -37,3 +37,14 @@ def kv_transfer_plan(role: PoolRole, policy: RoutingPolicy, on_gpu: bool) -> KVT
         return KVTransferPlan(connector=None, role=None, buffer_device=device)
     kv_role = "kv_producer" if role == "prefill" else "kv_both"
     return KVTransferPlan(connector="NixlConnector", role=kv_role, buffer_device=device)
+
+
+def kv_transfer_engine_arg(role: PoolRole, policy: RoutingPolicy, on_gpu: bool) -> dict[str, Any] | None:
+    """The `kv_transfer_config` engine argument: vLLM's NIXL connector wrapped by Baton's counting
+    subclass (kv_transfer/nixl.py), so every transfer is counted by the connector itself."""
+    plan = kv_transfer_plan(role, policy, on_gpu)
+    if plan.connector is None:
+        return None
+    from kv_transfer.nixl import nixl_kv_transfer_config
+
+    return nixl_kv_transfer_config(plan.role or "kv_both", plan.buffer_device)

@@ -24,13 +24,17 @@ def local_args() -> dict[str, Any]:
     return copy.deepcopy(doc["applications"][0]["args"])
 
 
-def e2e_args(decode_replicas: int = 2, prefill_replicas: int = 1) -> dict[str, Any]:
+def e2e_args(policy: str = "conversation", decode_replicas: int = 2, prefill_replicas: int = 1, ingress_replicas: int = 2) -> dict[str, Any]:
+    """The local YAML's args, sized for tests: small KV pools, 0.5 CPU per engine."""
     args = local_args()
-    for name, n in (("prefill", prefill_replicas), ("decode", decode_replicas)):
-        pool = args[name]
-        pool["num_replicas"] = n
-        pool["resources"] = {"num_cpus": 0.5, "custom": {f"{name}_slot": 1}}
-        pool["engine"] = {**pool["engine"], "max_model_len": 4096, "kv_cache_gib": 0.5}
+    args["routing"] = {**args.get("routing", {}), "policy": policy}
+    args["ingress"] = {**args["ingress"], "num_replicas": ingress_replicas}
+    engine = {**args["decode"]["engine"], "max_model_len": 4096, "kv_cache_gib": 0.5}
+    args["decode"] = {**args["decode"], "num_replicas": decode_replicas, "resources": {"num_cpus": 0.5, "custom": {"decode_slot": 1}}, "engine": engine}
+    if prefill_replicas:
+        args["prefill"] = {"num_replicas": prefill_replicas, "resources": {"num_cpus": 0.5, "custom": {"prefill_slot": 1}}, "engine": engine}
+    else:
+        args.pop("prefill", None)
     return args
 
 
@@ -44,16 +48,22 @@ def start_app(args: dict[str, Any]) -> str:
     import ray
     from ray import serve
 
-    from deployments.app import build_app
-
     if not (MODEL_DIR / "config.json").exists():
         pytest.fail(f"model not provisioned at {MODEL_DIR}: run `make setup` (scripts/setup.sh)")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=2, resources={"prefill_slot": 2, "decode_slot": 4}, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return deploy(args, f"http://127.0.0.1:{port}")
+
+
+def deploy(args: dict[str, Any], url: str) -> str:
+    """(Re)deploy the application with these args and wait until /health says ok."""
+    from ray import serve
+
+    from deployments.app import build_app
+
     serve.run(build_app(args), name="baton", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:

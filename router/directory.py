@@ -1,0 +1,80 @@
+"""The conversation directory: ONE Serve replica that every ingress replica asks where a turn
+goes, and every engine replica reports to. Because it is a single replica that handles one call
+at a time, two ingress replicas can never pin one conversation to two decoders."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from ray import serve
+from ray.serve import metrics
+
+from router.directory_state import DirectorySettings, DirectoryState
+from router.policy import TurnPlan
+
+logger = logging.getLogger("ray.serve")
+
+EXPIRY_PERIOD_S = 5.0
+
+
+class ConversationDirectory:
+    def __init__(self, settings: DirectorySettings):
+        self._state = DirectoryState(settings)
+        self._expiry_task: asyncio.Task | None = None
+        self._live_pins = metrics.Gauge("baton_live_pins", "conversations pinned to a decoder")
+        self._conversations = metrics.Counter("baton_conversations", "conversations seen")
+        self._handoffs = metrics.Counter("baton_planned_handoffs", "turns prefilled on the prefill pool with a KV handoff")
+        self._occupancy = metrics.Gauge("baton_decoder_kv_usage", "KV occupancy of each decode replica", tag_keys=("decoder",))
+        self._pinned = metrics.Gauge("baton_decoder_pinned_conversations", "conversations pinned to each decode replica", tag_keys=("decoder",))
+
+    def _ensure_expiry(self) -> None:
+        if self._expiry_task is None:
+            self._expiry_task = asyncio.get_running_loop().create_task(self._expire_forever())
+
+    async def _expire_forever(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_PERIOD_S)
+            gone = self._state.expire(time.monotonic())
+            if gone:
+                logger.info("expired %d idle conversations", len(gone))
+            self._live_pins.set(sum(self._state.pinned_counts().values()))
+
+    async def report(self, replica_id: str, pool: str, stats: dict[str, Any]) -> None:
+        self._ensure_expiry()
+        self._state.report(replica_id, pool, stats, time.monotonic())
+        if pool == "decode":
+            tags = {"decoder": replica_id}
+            self._occupancy.set(float(stats.get("kv_usage", 0.0)), tags=tags)
+            self._pinned.set(self._state.pinned_counts().get(replica_id, 0), tags=tags)
+
+    async def route(self, session_id: str | None, user: str | None, prompt_tokens: int) -> TurnPlan:
+        self._ensure_expiry()
+        before = self._state.totals["conversations"]
+        plan = self._state.route(session_id, user, prompt_tokens, time.monotonic())
+        if self._state.totals["conversations"] > before:
+            self._conversations.inc()
+        if plan.remote_prefill:
+            self._handoffs.inc()
+        self._live_pins.set(sum(self._state.pinned_counts().values()))
+        return plan
+
+    async def served(self, session_id: str | None, replica_id: str) -> None:
+        self._state.served(session_id, replica_id, time.monotonic())
+
+    async def replica_failed(self, replica_id: str) -> int:
+        held = self._state.replica_failed(replica_id)
+        logger.warning("replica %s failed; %d conversations will be re-placed on their next turn", replica_id, held)
+        return held
+
+    async def end_conversation(self, session_id: str) -> bool:
+        return self._state.end_conversation(session_id)
+
+    async def snapshot(self) -> dict[str, Any]:
+        return self._state.snapshot(time.monotonic())
+
+
+ConversationDirectoryDeployment = serve.deployment(
+    ConversationDirectory, name="directory", num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0}
+)

@@ -1,0 +1,197 @@
+"""The conversation directory's state: live engine replicas (as they report themselves) and the
+pin of every conversation. Pure and clock-injected, so it is tested without Ray.
+
+Invariants (check_integrity):
+- pinned_count(r) == number of pins whose decoder is r, for every replica r;
+- every pin's last_seen >= its created time and turns >= 1;
+- a replica marked failed is not live until it reports again.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from router.policy import DISAGGREGATED, DecoderView, NoReplicaAvailable, PlacementWeights, Policy, TurnPlan, plan_turn
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    replica_id: str
+    pool: str  # "prefill" | "decode"
+    stats: dict[str, Any]
+    at: float
+
+
+@dataclass
+class Pin:
+    decoder: str
+    user: str | None
+    created: float
+    last_seen: float
+    turns: int = 1
+    handoffs: int = 0
+
+
+@dataclass(frozen=True)
+class DirectorySettings:
+    policy: Policy = "colocated"
+    conversation_ttl_s: float = 1800.0
+    stale_after_s: float = 10.0  # a replica silent this long is not live
+    weights: PlacementWeights = field(default_factory=PlacementWeights)
+    max_conversations: int = 1_000_000
+
+
+class DirectoryState:
+    def __init__(self, settings: DirectorySettings):
+        self.settings = settings
+        self._replicas: dict[str, ReplicaReport] = {}
+        self._failed: set[str] = set()
+        self._pins: dict[str, Pin] = {}
+        self._rr = 0
+        # turns routed to a replica since its last report: the report does not show them yet
+        self._unreported: dict[str, tuple[int, int]] = {}  # replica -> (turns, prompt tokens)
+        self.totals: Counter[str] = Counter()
+
+    # ---- replicas ------------------------------------------------------------------------
+    def report(self, replica_id: str, pool: str, stats: dict[str, Any], now: float) -> None:
+        self._replicas[replica_id] = ReplicaReport(replica_id, pool, dict(stats), now)
+        self._failed.discard(replica_id)
+        self._unreported.pop(replica_id, None)
+
+    def live(self, pool: str, now: float) -> list[ReplicaReport]:
+        return [
+            r for r in self._replicas.values()
+            if r.pool == pool and r.replica_id not in self._failed and now - r.at <= self.settings.stale_after_s
+        ]
+
+    def _decoder_views(self, now: float) -> list[DecoderView]:
+        # under per-turn policies a conversation's last decoder is not a commitment: no pin load
+        pinned = self.pinned_counts() if self.settings.policy in ("conversation", "colocated") else Counter()
+        views = []
+        for r in self.live("decode", now):
+            capacity = int(r.stats.get("kv_capacity_tokens", 0))
+            turns, tokens = self._unreported.get(r.replica_id, (0, 0))
+            views.append(
+                DecoderView(
+                    replica_id=r.replica_id,
+                    kv_usage=float(r.stats.get("kv_usage", 0.0)) + (tokens / capacity if capacity else 0.0),
+                    kv_capacity_tokens=capacity,
+                    in_flight=int(r.stats.get("in_flight", 0)) + turns,
+                    pinned=pinned.get(r.replica_id, 0),
+                )
+            )
+        return views
+
+    def pinned_counts(self) -> Counter[str]:
+        return Counter(p.decoder for p in self._pins.values())
+
+    # ---- turns ----------------------------------------------------------------------------
+    def route(self, session_id: str | None, user: str | None, prompt_tokens: int, now: float) -> TurnPlan:
+        """Plan a turn and record it: the pin is created (or moved) before the turn runs, so two
+        ingress replicas asking at once for one new conversation get the same decoder."""
+        s = self.settings
+        pin = self._pins.get(session_id) if session_id else None
+        plan = plan_turn(
+            s.policy,
+            pinned=pin.decoder if pin else None,
+            decoders=self._decoder_views(now),
+            prompt_tokens=prompt_tokens,
+            prefill_available=bool(self.live("prefill", now)) and s.policy in DISAGGREGATED,
+            rr_counter=self._rr,
+            w=s.weights,
+        )
+        self._rr += 1
+        turns, tokens = self._unreported.get(plan.decode_replica, (0, 0))
+        self._unreported[plan.decode_replica] = (turns + 1, tokens + prompt_tokens)
+        self.totals["turns"] += 1
+        self.totals[f"plan_{plan.reason}"] += 1
+        if plan.remote_prefill:
+            self.totals["planned_handoffs"] += 1
+        if session_id is not None:
+            self._record(session_id, user, plan, now)
+        return plan
+
+    def _record(self, session_id: str, user: str | None, plan: TurnPlan, now: float) -> None:
+        pin = self._pins.get(session_id)
+        if pin is None:
+            if len(self._pins) >= self.settings.max_conversations:
+                self._evict_oldest()
+            self._pins[session_id] = Pin(plan.decode_replica, user, now, now, 1, int(plan.remote_prefill))
+            self.totals["conversations"] += 1
+            return
+        pin.decoder = plan.decode_replica
+        pin.last_seen = now
+        pin.turns += 1
+        pin.handoffs += int(plan.remote_prefill)
+
+    def served(self, session_id: str | None, replica_id: str, now: float) -> None:
+        """The turn actually ran on `replica_id` (the router may have fallen back): follow it."""
+        pin = self._pins.get(session_id) if session_id else None
+        if pin is not None and pin.decoder != replica_id:
+            pin.decoder = replica_id
+            self.totals["pin_moved_by_fallback"] += 1
+        if pin is not None:
+            pin.last_seen = now
+
+    def replica_failed(self, replica_id: str) -> int:
+        """Stop placing on a replica that failed a request; its conversations are re-placed on
+        their next turn. Returns how many pins it held."""
+        self._failed.add(replica_id)
+        held = sum(1 for p in self._pins.values() if p.decoder == replica_id)
+        self.totals["replica_failures"] += 1
+        return held
+
+    def end_conversation(self, session_id: str) -> bool:
+        return self._pins.pop(session_id, None) is not None
+
+    def expire(self, now: float) -> list[str]:
+        """Drop conversations idle longer than the TTL; their KV is then only evictable cache."""
+        ttl = self.settings.conversation_ttl_s
+        gone = [sid for sid, p in self._pins.items() if now - p.last_seen > ttl]
+        for sid in gone:
+            del self._pins[sid]
+        self.totals["expired"] += len(gone)
+        return gone
+
+    def _evict_oldest(self) -> None:
+        oldest = min(self._pins, key=lambda s: self._pins[s].last_seen)
+        del self._pins[oldest]
+        self.totals["evicted"] += 1
+
+    def pin_of(self, session_id: str) -> Pin | None:
+        p = self._pins.get(session_id)
+        return replace(p) if p is not None else None
+
+    # ---- reporting --------------------------------------------------------------------------
+    def snapshot(self, now: float) -> dict[str, Any]:
+        pinned = self.pinned_counts()
+        convs = [p for p in self._pins.values()]
+        handoffs = sum(p.handoffs for p in convs)
+        replicas = {
+            r.replica_id: {"pool": r.pool, "live": r in self.live(r.pool, now), "pinned": pinned.get(r.replica_id, 0), "age_s": round(now - r.at, 3), **r.stats}
+            for r in self._replicas.values()
+        }
+        return {
+            "policy": self.settings.policy,
+            "live_pins": len(self._pins),
+            "conversations_total": self.totals["conversations"],
+            "handoffs_planned_total": self.totals["planned_handoffs"],
+            "handoffs_per_live_conversation": (handoffs / len(convs)) if convs else 0.0,
+            "turns_total": self.totals["turns"],
+            "totals": dict(self.totals),
+            "replicas": replicas,
+        }
+
+    def check_integrity(self) -> None:
+        counted = Counter(p.decoder for p in self._pins.values())
+        if counted != self.pinned_counts():
+            raise AssertionError("pinned counts disagree with pins")
+        for sid, p in self._pins.items():
+            if p.last_seen < p.created or p.turns < 1 or p.handoffs < 0:
+                raise AssertionError(f"bad pin {sid}: {p}")
+        if len(self._pins) > self.settings.max_conversations:
+            raise AssertionError("more conversations than max_conversations")
+
+
+__all__ = ["DirectorySettings", "DirectoryState", "NoReplicaAvailable", "Pin", "ReplicaReport"]

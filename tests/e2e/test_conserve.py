@@ -1,0 +1,105 @@
+"""ConServe on real engines: the first turn's KV moves once over NIXL (counted by the decode
+replicas' connectors), later turns stay on that decoder, whatever ingress replica answers."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import deploy, e2e_args, start_app, stop_app
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+SYSTEM = "You are a travel assistant. Available tools: " + " ".join(
+    f"tool_{i}(city: str, date: str) returns the weather, flights and hotels for a city on a date." for i in range(24)
+)
+
+
+@pytest.fixture(scope="module")
+def url() -> Any:
+    u = start_app(e2e_args("conversation", ingress_replicas=2))
+    try:
+        yield u
+    finally:
+        stop_app()
+
+
+def decode_transfers(url: str) -> int:
+    """KV transfers the decode replicas' connectors counted, as they last reported them."""
+    snap = httpx.get(f"{url}/baton/stats", timeout=10).json()
+    return sum(int(r.get("kv_transfers_received", 0)) for r in snap["replicas"].values() if r["pool"] == "decode" and r["live"])
+
+
+def settled_transfers(url: str) -> int:
+    """Wait until two consecutive reports agree (replicas report every second)."""
+    last = -1
+    for _ in range(20):
+        time.sleep(1.5)
+        now = decode_transfers(url)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def converse(url: str, sid: str, turns: int = 3) -> list[tuple[str, str, str]]:
+    """(decode replica, ingress replica, reply) per turn."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    out = []
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"Turn {t} of {sid}: which city should I visit?"})
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0}, headers={"x-session-id": sid}, timeout=300)
+        assert r.status_code == 200, r.text
+        reply = r.json()["choices"][0]["message"]["content"]
+        out.append((r.headers["x-baton-replica"], r.headers["x-baton-ingress"], reply))
+        messages.append({"role": "assistant", "content": reply})
+    return out
+
+
+def test_one_handoff_per_conversation_and_pinned_decoders(url: str) -> None:
+    before = settled_transfers(url)
+    sids = [f"pin-{i}" for i in range(6)]
+    with ThreadPoolExecutor(len(sids)) as pool:
+        results = dict(zip(sids, pool.map(lambda s: converse(url, s), sids)))
+    after = settled_transfers(url)
+    assert after - before == len(sids), "exactly one NIXL transfer per conversation (counted by the connectors)"
+    for sid, turns in results.items():
+        assert len({d for d, _, _ in turns}) == 1, f"{sid} moved between decoders: {turns}"
+    ingresses = {i for turns in results.values() for _, i, _ in turns}
+    assert len(ingresses) == 2, "both ingress replicas answered, and still every conversation kept one decoder"
+    snap = httpx.get(f"{url}/baton/stats", timeout=10).json()
+    assert snap["policy"] == "conversation" and snap["live_pins"] >= len(sids)
+
+
+def test_greedy_output_is_the_same_with_remote_or_local_prefill(url: str) -> None:
+    from ray import serve
+
+    from deployments.chat import PromptRenderer
+    from deployments.protocol import ChatMessage
+    from engine.types import GenerationRequest, SamplingSpec
+    from tests.e2e.conftest import MODEL_DIR
+
+    ids = PromptRenderer.from_path(str(MODEL_DIR)).chat_tokens(
+        [ChatMessage(role="system", content=SYSTEM), ChatMessage(role="user", content="Plan a two-day trip to Rome.")]
+    )
+    before = settled_transfers(url)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True}, timeout=300)
+    assert r.status_code == 200, r.text
+    remote_text = r.json()["choices"][0]["text"]
+    assert settled_transfers(url) - before == 1, "the HTTP request was prefilled remotely"
+
+    decode = serve.get_deployment_handle("decode", "baton")
+    req = GenerationRequest(request_id="local-prefill-check", prompt_token_ids=tuple(ids), sampling=SamplingSpec(max_tokens=24, temperature=0.0, ignore_eos=True))
+    local_text = "".join(d.text for d in decode.options(stream=True).generate.remote(req))
+    assert remote_text == local_text
+
+
+def test_per_turn_pd_moves_kv_on_every_turn(url: str) -> None:
+    deploy(e2e_args("per_turn_pd", ingress_replicas=2), url)
+    before = settled_transfers(url)
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda s: converse(url, s, turns=3), ["pd-0", "pd-1"]))
+    assert settled_transfers(url) - before == 6, "one NIXL transfer per turn under per_turn_pd"
