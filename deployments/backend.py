@@ -5,6 +5,7 @@ understands (503 / 400), never a stack trace; a failed prefill or transfer falls
 prefilling on the decoder; a decoder that dies before the first token is replaced once."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -85,7 +86,9 @@ class PoolBackend:
         if self._directory is None:
             return None, False
         try:
-            plan = await self._directory.route.remote(request.session_id, request.user, len(request.prompt_token_ids))
+            plan = await asyncio.wait_for(
+                self._directory.route.remote(request.session_id, request.user, len(request.prompt_token_ids)), DIRECTORY_TIMEOUT_S
+            )
         except Exception as e:  # noqa: BLE001 - the directory is advice; serving goes on without it
             logger.warning("conversation directory could not place %s (%s); placing by load", request.request_id, type(e).__name__)
             return None, False
@@ -103,19 +106,24 @@ class PoolBackend:
             kv_transfer_params={"do_remote_decode": True},
         )
         params = None
+        done = False
+        gen = self._prefill.options(stream=True).generate.remote(prefill_req)
         try:
-            async for delta in self._prefill.options(stream=True).generate.remote(prefill_req):
+            async for delta in gen:
                 if delta.finished:
-                    params = delta.kv_transfer_params
+                    params, done = delta.kv_transfer_params, True
         except Exception as e:  # noqa: BLE001 - fall back to recompute on the decoder
             logger.warning("remote prefill of %s failed (%s); the decoder prefills it", request.request_id, type(translate_error(e)).__name__)
             return None
+        finally:
+            if not done:  # failed or cancelled (client gone): free the prefill engine's blocks now
+                gen.cancel()
         return params
 
     async def _tell_directory(self, method: str, *args: Any) -> None:
         if self._directory is None:
             return
         try:
-            await getattr(self._directory, method).remote(*args)
+            await asyncio.wait_for(getattr(self._directory, method).remote(*args), DIRECTORY_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - advisory
             logger.warning("directory %s failed: %s", method, type(e).__name__)

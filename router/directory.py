@@ -64,7 +64,7 @@ class ConversationDirectory:
         self._state.served(session_id, replica_id, time.monotonic())
 
     async def replica_failed(self, replica_id: str) -> int:
-        held = self._state.replica_failed(replica_id)
+        held = self._state.replica_failed(replica_id, time.monotonic())
         logger.warning("replica %s failed; %d conversations will be re-placed on their next turn", replica_id, held)
         return held
 

@@ -2,9 +2,9 @@
 pin of every conversation. Pure and clock-injected, so it is tested without Ray.
 
 Invariants (check_integrity):
-- pinned_count(r) == number of pins whose decoder is r, for every replica r;
-- every pin's last_seen >= its created time and turns >= 1;
-- a replica marked failed is not live until it reports again.
+- every pin has a non-empty session id, last_seen >= created, turns >= 1, handoffs >= 0;
+- at most max_conversations pins; unreported load is never negative and only on known replicas;
+- (by construction) a replica marked failed is not live until it reports again after stale_after_s.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class DirectoryState:
     def __init__(self, settings: DirectorySettings):
         self.settings = settings
         self._replicas: dict[str, ReplicaReport] = {}
-        self._failed: set[str] = set()
+        self._failed: dict[str, float] = {}  # replica -> when it failed
         self._pins: dict[str, Pin] = {}
         self._rr = 0
         # turns routed to a replica since its last report: the report does not show them yet
@@ -55,8 +55,11 @@ class DirectoryState:
 
     # ---- replicas ------------------------------------------------------------------------
     def report(self, replica_id: str, pool: str, stats: dict[str, Any], now: float) -> None:
+        failed_at = self._failed.get(replica_id)
+        if failed_at is not None and now - failed_at <= self.settings.stale_after_s:
+            return  # a report sent before the failure and delivered after it: ignore
         self._replicas[replica_id] = ReplicaReport(replica_id, pool, dict(stats), now)
-        self._failed.discard(replica_id)
+        self._failed.pop(replica_id, None)
         self._unreported.pop(replica_id, None)
 
     def live(self, pool: str, now: float) -> list[ReplicaReport]:
@@ -91,6 +94,7 @@ class DirectoryState:
         """Plan a turn and record it: the pin is created (or moved) before the turn runs, so two
         ingress replicas asking at once for one new conversation get the same decoder."""
         s = self.settings
+        session_id = session_id or None
         pin = self._pins.get(session_id) if session_id else None
         plan = plan_turn(
             s.policy,
@@ -134,10 +138,10 @@ class DirectoryState:
         if pin is not None:
             pin.last_seen = now
 
-    def replica_failed(self, replica_id: str) -> int:
+    def replica_failed(self, replica_id: str, now: float) -> int:
         """Stop placing on a replica that failed a request; its conversations are re-placed on
         their next turn. Returns how many pins it held."""
-        self._failed.add(replica_id)
+        self._failed[replica_id] = now
         held = sum(1 for p in self._pins.values() if p.decoder == replica_id)
         self.totals["replica_failures"] += 1
         return held
@@ -184,14 +188,16 @@ class DirectoryState:
         }
 
     def check_integrity(self) -> None:
-        counted = Counter(p.decoder for p in self._pins.values())
-        if counted != self.pinned_counts():
-            raise AssertionError("pinned counts disagree with pins")
         for sid, p in self._pins.items():
-            if p.last_seen < p.created or p.turns < 1 or p.handoffs < 0:
-                raise AssertionError(f"bad pin {sid}: {p}")
+            if p.last_seen < p.created or p.turns < 1 or p.handoffs < 0 or not sid:
+                raise AssertionError(f"bad pin {sid!r}: {p}")
         if len(self._pins) > self.settings.max_conversations:
             raise AssertionError("more conversations than max_conversations")
+        for (turns, tokens) in self._unreported.values():
+            if turns < 0 or tokens < 0:
+                raise AssertionError("negative unreported load")
+        if set(self._unreported) - set(self._replicas):
+            raise AssertionError("unreported load on a replica that never reported")
 
 
 __all__ = ["DirectorySettings", "DirectoryState", "NoReplicaAvailable", "Pin", "ReplicaReport"]

@@ -9,16 +9,29 @@ before the first delta or after N deltas, and records what it saw:
 
     requests  every GenerationRequest received, in order
     outcomes  request_id -> "finished" | "closed" (consumer called aclose early) | "raised"
+
+Serve handles as PoolBackend (deployments/backend.py) drives them; no Ray is started:
+
+FakeResponseStream  what `handle.options(stream=True).generate.remote(req)` returns: an async
+                    iterator of scripted deltas that can raise after N of them, with cancel().
+FakePoolHandle      a pool's DeploymentHandle: options(**kw) returns itself; generate.remote(req)
+                    records the request and returns the next scripted stream.
+FakeDirectory       the conversation directory's handle: route/served/replica_failed/... each have
+                    .remote(*args) returning an awaitable, as a DeploymentResponse is. It answers
+                    from scripted plans, or from a real DirectoryState with an injected clock.
 """
 from __future__ import annotations
 
 import asyncio
+import inspect
 import zlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.types import GenerationDelta, GenerationRequest
+from router.directory_state import DirectoryState
+from router.policy import TurnPlan
 
 EOS_ID = 0
 FIRST_WORD_ID = 3  # 0..2 are reserved for special tokens
@@ -115,3 +128,141 @@ class FakeBackend:
         except GeneratorExit:
             self.outcomes[rid] = "closed"
             raise
+
+
+# ---- Serve handles -------------------------------------------------------------------------------------
+
+
+def scripted_deltas(n: int, *, replica: str | None = None, kv_transfer_params: dict[str, Any] | None = None) -> list[GenerationDelta]:
+    """n deltas as an engine replica streams them: `replica` on the first, the last `finished`
+    (and carrying `kv_transfer_params`, as a prefill replica's last delta does)."""
+    return [
+        GenerationDelta(
+            text=f"t{i}",
+            token_ids=(FIRST_WORD_ID + i,),
+            prompt_tokens=3,
+            cached_tokens=0,
+            finished=i == n - 1,
+            finish_reason="stop" if i == n - 1 else None,
+            kv_transfer_params=kv_transfer_params if i == n - 1 else None,
+            replica=replica if i == 0 else None,
+        )
+        for i in range(n)
+    ]
+
+
+class FakeResponseStream:
+    """An async iterator of deltas that raises `error` before delta number `error_after`."""
+
+    def __init__(self, deltas: Sequence[GenerationDelta], error: BaseException | None = None, error_after: int = 0):
+        self._deltas = list(deltas)
+        self._error, self._error_after = error, error_after
+        self._i = 0
+        self.cancelled = 0
+
+    def __aiter__(self) -> "FakeResponseStream":
+        return self
+
+    async def __anext__(self) -> GenerationDelta:
+        if self._error is not None and self._i == self._error_after:
+            raise self._error
+        if self._i >= len(self._deltas):
+            raise StopAsyncIteration
+        self._i += 1
+        return self._deltas[self._i - 1]
+
+    def cancel(self) -> None:
+        self.cancelled += 1
+
+
+StreamScript = Callable[[GenerationRequest], FakeResponseStream]
+
+
+class FakePoolHandle:
+    """A pool's DeploymentHandle as PoolBackend uses it: options(**kw) -> handle, generate.remote(req).
+
+    `script` is one stream per call in order (the last one repeats), or a function of the request.
+    """
+
+    def __init__(self, script: Sequence[FakeResponseStream] | StreamScript):
+        self._script = script
+        self.options_calls: list[dict[str, Any]] = []
+        self.sent: list[GenerationRequest] = []
+        self.streams: list[FakeResponseStream] = []
+        self.generate = self
+
+    def options(self, **kw: Any) -> "FakePoolHandle":
+        self.options_calls.append(kw)
+        return self
+
+    def remote(self, request: GenerationRequest) -> FakeResponseStream:
+        self.sent.append(request)
+        if callable(self._script):
+            stream = self._script(request)
+        else:
+            stream = self._script[min(len(self.sent), len(self._script)) - 1]
+        self.streams.append(stream)
+        return stream
+
+    @property
+    def stream(self) -> FakeResponseStream:
+        assert self.streams, "no request was sent"
+        return self.streams[-1]
+
+
+class _RemoteMethod:
+    def __init__(self, directory: "FakeDirectory", name: str):
+        self._directory, self._name = directory, name
+
+    def remote(self, *args: Any) -> Awaitable[Any]:
+        self._directory.calls.append((self._name, args))
+        return self._directory._answer(self._name, args)
+
+
+class FakeDirectory:
+    """The conversation directory's handle.
+
+    plans   route() answers these in order (the last one repeats); or
+    state   a DirectoryState that answers everything, at `clock()`
+    errors  method name -> exception its .remote() call raises when awaited
+    hang    method names whose call never completes
+    calls   (method, args) of every call, in order
+    """
+
+    def __init__(
+        self,
+        plans: Sequence[TurnPlan] = (),
+        *,
+        state: DirectoryState | None = None,
+        clock: Callable[[], float] = lambda: 0.0,
+        errors: dict[str, BaseException] | None = None,
+        hang: Sequence[str] = (),
+    ):
+        self._plans = list(plans)
+        self.state, self._clock = state, clock
+        self.errors = dict(errors or {})
+        self.hang = set(hang)
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> _RemoteMethod:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _RemoteMethod(self, name)
+
+    def called(self, method: str) -> list[tuple[Any, ...]]:
+        return [args for name, args in self.calls if name == method]
+
+    async def _answer(self, name: str, args: tuple[Any, ...]) -> Any:
+        if name in self.hang:
+            await asyncio.Event().wait()
+        if name in self.errors:
+            raise self.errors[name]
+        if self.state is not None:  # as router/directory.py calls it: with the clock where it takes one
+            method = getattr(self.state, name)
+            takes_now = "now" in inspect.signature(method).parameters
+            return method(*args, self._clock()) if takes_now else method(*args)
+        if name == "route":
+            n = len(self.called("route"))
+            assert self._plans, "FakeDirectory has no plan to answer route()"
+            return self._plans[min(n, len(self._plans)) - 1]
+        return None

@@ -1,7 +1,10 @@
 """User config (deployments/config.py): every shipped YAML validates; a typo anywhere fails with
-the dotted path of the field; cross-field rules say what is wrong; defaults are servable on CPU."""
+the dotted path of the field; cross-field rules (same model, a decode pool that runs, a prefill
+pool exactly when routing.policy prefills remotely) say what is wrong; defaults are servable on CPU."""
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +12,7 @@ import pydantic
 import pytest
 import yaml
 
-from deployments.config import AppConfig, ConfigError, load_app_config
+from deployments.config import AppConfig, ConfigError, PoolConfig, RoutingConfig, load_app_config
 
 CLUSTER_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "cluster_configs").glob("*.yaml"))
 
@@ -46,19 +49,44 @@ def test_every_cluster_config_validates(path: Path) -> None:
         assert app["import_path"] == "deployments.app:build_app"
         cfg = load_app_config(app["args"])
         assert isinstance(cfg, AppConfig)
-        assert cfg.prefill.engine.model == cfg.decode.engine.model
+        if cfg.prefill is not None:
+            assert cfg.prefill.engine.model == cfg.decode.engine.model
         decode_runs = cfg.decode.num_replicas > 0 or (cfg.decode.autoscaling is not None and cfg.decode.autoscaling.max_replicas > 0)
         assert decode_runs
 
 
-def test_local_config_matches_its_comment() -> None:
-    """local.yaml's header tells users which custom resources to give `ray start`; the pools must ask for those."""
-    doc = yaml.safe_load((CLUSTER_CONFIGS[0].parent / "local.yaml").read_text())
-    cfg = load_app_config(doc["applications"][0]["args"])
-    assert cfg.prefill.resources.custom == {"prefill_slot": 1.0}
-    assert cfg.decode.resources.custom == {"decode_slot": 1.0}
-    assert cfg.decode.resources.num_gpus == 0
-    assert cfg.routing.policy == "colocated"
+def ray_start_resources(text: str) -> tuple[float, dict[str, float]]:
+    """The CPUs and custom resources the header comment tells users to give `ray start`."""
+    cpus = re.search(r"ray start .*--num-cpus (\d+)", text)
+    custom = re.search(r"ray start .*--resources '(\{.*?\})'", text)
+    assert cpus and custom, "the header names no `ray start --num-cpus N --resources '{...}'`"
+    return float(cpus.group(1)), {k: float(v) for k, v in json.loads(custom.group(1)).items()}
+
+
+def replicas_at_most(pool: PoolConfig | None) -> int:
+    if pool is None:
+        return 0
+    return pool.autoscaling.max_replicas if pool.autoscaling is not None else pool.num_replicas
+
+
+def test_local_config_fits_the_resources_its_comment_gives_ray() -> None:
+    """local.yaml's header tells users which custom resources to give `ray start`; every replica
+    of every pool must fit in them (and run on CPU)."""
+    text = (CLUSTER_CONFIGS[0].parent / "local.yaml").read_text()
+    cpus, offered = ray_start_resources(text)
+    cfg = load_app_config(yaml.safe_load(text)["applications"][0]["args"])
+    asked: dict[str, float] = {}
+    asked_cpus = cfg.ingress.num_cpus * cfg.ingress.num_replicas
+    for pool in (cfg.prefill, cfg.decode):
+        if pool is None:
+            continue
+        assert pool.resources.num_gpus == 0
+        asked_cpus += pool.resources.num_cpus * replicas_at_most(pool)
+        for name, amount in pool.resources.custom.items():
+            asked[name] = asked.get(name, 0.0) + amount * replicas_at_most(pool)
+    assert asked and all(asked[name] <= offered.get(name, 0.0) for name in asked), (asked, offered)
+    assert asked_cpus <= cpus, (asked_cpus, cpus)
+    assert cfg.decode.resources.custom, "the decode pool must claim a slot of its own"
 
 
 # ---- typos name their field --------------------------------------------------------------------
@@ -155,10 +183,75 @@ def test_decode_with_zero_fixed_replicas_but_autoscaling_is_fine() -> None:
     assert cfg.decode.autoscaling is not None and cfg.decode.autoscaling.max_replicas == 2
 
 
-def test_prefill_pool_may_be_empty() -> None:
-    args = minimal_args()
-    args["prefill"]["num_replicas"] = 0
-    assert load_app_config(args).prefill.num_replicas == 0
+# policy, the prefill pool as written ("absent" = no prefill key), and None when valid, else what the error names
+POLICY_RULES: list[tuple[str, Any, str | None]] = [
+    ("conversation", {"num_replicas": 1}, None),
+    ("conversation", {"num_replicas": 0, "autoscaling": {"min_replicas": 0, "max_replicas": 2}}, None),
+    ("conversation", "absent", "routing.policy 'conversation' prefills on the prefill pool"),
+    ("conversation", {"num_replicas": 0}, "routing.policy 'conversation' prefills on the prefill pool"),
+    ("per_turn_pd", {"num_replicas": 3}, None),
+    ("per_turn_pd", "absent", "routing.policy 'per_turn_pd' prefills on the prefill pool"),
+    ("per_turn_pd", {"num_replicas": 0}, "routing.policy 'per_turn_pd' prefills on the prefill pool"),
+    ("colocated", "absent", None),
+    ("colocated", {"num_replicas": 0}, None),
+    ("colocated", {"num_replicas": 1}, "routing.policy 'colocated' serves whole requests on the decode pool"),
+    ("colocated", {"num_replicas": 0, "autoscaling": {"min_replicas": 0, "max_replicas": 1}}, "routing.policy 'colocated' serves whole"),
+    ("round_robin", "absent", None),
+    ("round_robin", {"num_replicas": 0}, None),
+    ("round_robin", {"num_replicas": 2}, "routing.policy 'round_robin' serves whole requests on the decode pool"),
+]
+
+
+@pytest.mark.parametrize("policy, prefill, error", POLICY_RULES, ids=[f"{p}-{'absent' if f == 'absent' else f}" for p, f, _ in POLICY_RULES])
+def test_the_policy_decides_whether_a_prefill_pool_runs(policy: str, prefill: Any, error: str | None) -> None:
+    args = minimal_args(routing={"policy": policy})
+    if prefill == "absent":
+        del args["prefill"]
+    else:
+        args["prefill"].update(prefill)
+    if error is None:
+        cfg = load_app_config(args)
+        assert cfg.routing.policy == policy
+        assert cfg.routing.disaggregated == (policy in ("conversation", "per_turn_pd"))
+        assert (cfg.prefill is None) == (prefill == "absent")
+    else:
+        message = config_error(args)
+        assert error in message
+        assert "prefill" in message  # says which pool to change
+
+
+def test_a_whole_request_policy_tells_where_the_prefill_engines_should_go() -> None:
+    message = config_error(minimal_args(routing={"policy": "colocated"}))
+    assert "set prefill.num_replicas to 0" in message and "decode pool" in message
+
+
+def test_an_unused_prefill_pool_must_still_serve_the_same_model() -> None:
+    args = minimal_args(routing={"policy": "colocated"})
+    args["prefill"].update(num_replicas=0, engine={"model": "other"})
+    assert "same model" in config_error(args)
+
+
+@pytest.mark.parametrize("policy", ["conversation", "per_turn_pd", "colocated", "round_robin"])
+def test_decode_must_run_under_every_policy(policy: str) -> None:
+    args = minimal_args(routing={"policy": policy})
+    args["decode"]["num_replicas"] = 0
+    if policy in ("colocated", "round_robin"):
+        del args["prefill"]
+    assert "decode pool needs at least one replica" in config_error(args)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("conversation_ttl_s", 0), ("replica_stale_after_s", 0), ("pin_weight", -0.1), ("queue_weight", -1), ("kv_weight", -1), ("prefill_token_weight", -1e-3)],
+)
+def test_routing_numbers_are_bounded(field: str, value: float) -> None:
+    assert f"routing.{field}:" in config_error(minimal_args(routing={field: value}))
+
+
+def test_routing_disaggregated_property() -> None:
+    assert {p: RoutingConfig(policy=p).disaggregated for p in ("conversation", "per_turn_pd", "colocated", "round_robin")} == {  # type: ignore[arg-type]
+        "conversation": True, "per_turn_pd": True, "colocated": False, "round_robin": False,
+    }
 
 
 # ---- defaults ------------------------------------------------------------------------------------
@@ -167,10 +260,14 @@ def test_prefill_pool_may_be_empty() -> None:
 def test_defaults_are_sane_for_a_cpu_machine() -> None:
     cfg = load_app_config(minimal_args())
     assert cfg.name == "baton"
-    assert cfg.routing.policy == "colocated"
-    assert cfg.routing.kv_weight == 1.0 and 0 < cfg.routing.queue_weight < cfg.routing.kv_weight
+    r = cfg.routing
+    assert r.policy == "conversation" and r.disaggregated
+    assert r.kv_weight == 1.0 and 0 < r.queue_weight < r.kv_weight
+    assert 0 < r.pin_weight < 1 and r.prefill_token_weight == pytest.approx(1 / 8192)
+    assert r.conversation_ttl_s > 0 and r.replica_stale_after_s > cfg.decode.routing_stats_period_s  # several reports may be lost
     assert cfg.ingress.num_replicas == 1 and cfg.ingress.served_model_name is None
     assert 1 <= cfg.ingress.default_max_tokens < cfg.decode.engine.max_model_len
+    assert cfg.prefill is not None
     for pool in (cfg.prefill, cfg.decode):
         assert pool.num_replicas == 1 and pool.autoscaling is None
         assert pool.resources.num_gpus == 0 and pool.resources.num_cpus == 1.0
@@ -181,6 +278,11 @@ def test_defaults_are_sane_for_a_cpu_machine() -> None:
         assert e.max_model_len == 4096 and e.enable_prefix_caching and e.enforce_eager
         assert e.kv_cache_gib > 0 and 0 < e.gpu_memory_utilization <= 1
         assert e.cpu_threads == 1 and e.extra_engine_args == {}
+
+
+def test_the_prefill_pool_defaults_to_absent() -> None:
+    cfg = load_app_config({"routing": {"policy": "colocated"}, "decode": {"engine": {"model": "m"}}})
+    assert cfg.prefill is None and not cfg.routing.disaggregated
 
 
 def test_autoscaling_defaults_are_consistent() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from deployments.config import AppConfig, ConfigError, EngineConfig, PoolConfig, load_app_config
 from engine.args import GIB, EngineSpec, build_engine_spec, resolve_model_path
-from kv_transfer.config import kv_transfer_plan
+from kv_transfer.config import kv_transfer_engine_arg, kv_transfer_plan
 
 with warnings.catch_warnings():  # Ray Serve's own pydantic models warn on import; not ours to fix
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -39,18 +39,36 @@ def test_whole_request_policies_have_no_kv_connector(policy: str, role: str, on_
     assert kv_transfer_plan(role, policy, on_gpu).as_engine_arg() is None  # type: ignore[arg-type]
 
 
+NIXL_PLANS = [
+    ("prefill", False, {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}),
+    ("decode", False, {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}),
+    ("prefill", True, {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cuda"}),
+    ("decode", True, {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cuda"}),
+]
+
+
 @pytest.mark.parametrize("policy", ["conversation", "per_turn_pd"])
-@pytest.mark.parametrize(
-    "role, on_gpu, expected",
-    [
-        ("prefill", False, {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}),
-        ("decode", False, {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}),
-        ("prefill", True, {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cuda"}),
-        ("decode", True, {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cuda"}),
-    ],
-)
-def test_disaggregated_policies_get_nixl_by_role(policy: str, role: str, on_gpu: bool, expected: dict[str, str]) -> None:
-    assert spec_of(role=role, policy=policy, on_gpu=on_gpu).engine_kwargs["kv_transfer_config"] == expected
+@pytest.mark.parametrize("role, on_gpu, expected", NIXL_PLANS)
+def test_disaggregated_policies_plan_nixl_by_role(policy: str, role: str, on_gpu: bool, expected: dict[str, str]) -> None:
+    assert kv_transfer_plan(role, policy, on_gpu).as_engine_arg() == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", ["colocated", "round_robin"])
+def test_whole_request_policies_need_no_nixl_module(policy: str) -> None:
+    # kv_transfer.nixl (vLLM/NIXL imports) is only imported when a connector is configured
+    assert kv_transfer_engine_arg("decode", policy, False) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", ["conversation", "per_turn_pd"])
+@pytest.mark.parametrize("role, on_gpu, expected", NIXL_PLANS)
+def test_disaggregated_engines_get_the_nixl_connector_in_their_kwargs(policy: str, role: str, on_gpu: bool, expected: dict[str, str]) -> None:
+    pytest.importorskip("kv_transfer.nixl")
+    kv = spec_of(role=role, policy=policy, on_gpu=on_gpu).engine_kwargs["kv_transfer_config"]
+    assert kv == kv_transfer_engine_arg(role, policy, on_gpu)  # type: ignore[arg-type]
+    # Baton's counting subclass of vLLM's NIXL connector, with the role and device of the plan
+    assert kv["kv_role"] == expected["kv_role"] and kv["kv_buffer_device"] == expected["kv_buffer_device"]
+    assert "Nixl" in str(kv.get("kv_connector", "")) + str(kv.get("kv_connector_module_path", ""))
+    assert kv.get("kv_load_failure_policy") == "recompute"  # a failed pull is recomputed, the request succeeds
 
 
 # ---- engine kwargs -----------------------------------------------------------------------------
@@ -104,6 +122,7 @@ def test_extra_kv_transfer_config_clashes_only_when_the_policy_sets_one() -> Non
     own = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     cfg = EngineConfig(model="m", extra_engine_args={"kv_transfer_config": own})
     assert spec_of(cfg, policy="colocated").engine_kwargs["kv_transfer_config"] == own
+    pytest.importorskip("kv_transfer.nixl")
     with pytest.raises(ValueError, match="kv_transfer_config"):
         spec_of(cfg, policy="conversation")
 
@@ -213,8 +232,8 @@ def test_pool_options_with_fixed_replicas() -> None:
     assert opts["max_ongoing_requests"] == 12
     assert opts["ray_actor_options"]["runtime_env"]["env_vars"] == spec.env
     router = opts["request_router_config"]
-    assert router.request_router_kwargs == {"kv_weight": 2.0, "queue_weight": 0.5}
-    assert router.request_router_class.endswith("ConversationAffinityRouter")
+    assert router.request_router_kwargs == {"kv_weight": 2.0, "queue_weight": 0.5, "prefill_token_weight": cfg.routing.prefill_token_weight}
+    assert router.request_router_class.endswith("TargetedLoadRouter")
     assert router.request_routing_stats_period_s == cfg.decode.routing_stats_period_s
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import warnings
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +22,12 @@ from deployments.metrics import RecordingMetrics
 from deployments.openai_api import build_openai_app
 from deployments.protocol import ChatCompletionRequest
 from engine.types import EngineRequestError, EngineUnavailable, SamplingSpec
-from fakes import FakeBackend, FakeTokenizer
+from fakes import FakeBackend, FakeDirectory, FakeTokenizer
+from router.directory_state import DirectorySettings, DirectoryState
+
+with warnings.catch_warnings():  # Ray Serve's own pydantic models warn on import; not ours to fix
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from deployments.ingress import Ingress, IngressSettings
 
 MAX_MODEL_LEN = 64
 DEFAULT_MAX_TOKENS = 16
@@ -34,6 +41,7 @@ class Api:
     metrics: RecordingMetrics
     tokenizer: FakeTokenizer
     health_report: dict[str, Any] = field(default_factory=lambda: {"status": "ok"})
+    stats_report: dict[str, Any] | BaseException = field(default_factory=lambda: {"policy": "conversation", "live_pins": 0})
 
     def chat(self, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None, **fields: Any) -> httpx.Response:
         return self.client.post("/v1/chat/completions", json={"messages": HELLO, **(body or {}), **fields}, headers=headers)
@@ -45,7 +53,7 @@ class Api:
         return len(PromptRenderer(self.tokenizer).chat_tokens(ChatCompletionRequest(messages=messages).messages))
 
 
-def make_api(backend: FakeBackend | None = None, *, raise_server_exceptions: bool = True) -> Api:
+def make_api(backend: FakeBackend | None = None, *, raise_server_exceptions: bool = True, with_stats: bool = True) -> Api:
     tokenizer = FakeTokenizer()
     backend = backend or FakeBackend()
     metrics = RecordingMetrics()
@@ -62,7 +70,13 @@ def make_api(backend: FakeBackend | None = None, *, raise_server_exceptions: boo
     async def health() -> dict[str, Any]:
         return api.health_report
 
-    api.client = TestClient(build_openai_app(frontend, health), raise_server_exceptions=raise_server_exceptions)
+    async def stats() -> dict[str, Any]:
+        if isinstance(api.stats_report, BaseException):
+            raise api.stats_report
+        return api.stats_report
+
+    app = build_openai_app(frontend, health, stats if with_stats else None)
+    api.client = TestClient(app, raise_server_exceptions=raise_server_exceptions)
     return api
 
 
@@ -120,6 +134,69 @@ def test_health_not_ok_is_503(api: Api) -> None:
     api.health_report = {"status": "starting", "reason": "decode engine loading"}
     r = api.client.get("/health")
     assert r.status_code == 503 and r.json()["reason"] == "decode engine loading"
+
+
+def test_stats_returns_the_directory_snapshot(api: Api) -> None:
+    api.stats_report = {"policy": "per_turn_pd", "live_pins": 3, "replicas": {"d0": {"pool": "decode", "live": True}}}
+    r = api.client.get("/baton/stats")
+    assert r.status_code == 200 and r.json() == api.stats_report
+
+
+@pytest.mark.parametrize("error", [TimeoutError(), RuntimeError("directory died")])
+def test_stats_without_a_directory_is_503(api: Api, error: BaseException) -> None:
+    api.stats_report = error
+    err = assert_error(api.client.get("/baton/stats"), 503)
+    assert "directory" in err["message"] and type(error).__name__ in err["message"]
+    assert "directory died" not in err["message"]  # the type, not the internals
+
+
+def test_stats_route_exists_only_when_given() -> None:
+    assert_error(make_api(with_stats=False).client.get("/baton/stats"), 404)
+
+
+def ingress_health(directory: FakeDirectory, disaggregated: bool) -> dict[str, Any]:
+    """Ingress._health (what GET /health answers in Serve) over a fake directory handle."""
+    cls = Ingress.func_or_class
+    # the Ingress's own methods over its state, without __init__ (it loads a tokenizer) nor Serve's wrapper
+    ingress = SimpleNamespace(
+        _directory=directory,
+        _settings=IngressSettings(model_id="m", model_path="/m", max_model_len=64, default_max_tokens=16, disaggregated=disaggregated),
+        _frontend=SimpleNamespace(model_id="m"),
+    )
+    ingress._stats = lambda: cls._stats(ingress)
+    return asyncio.run(cls._health(ingress))
+
+
+def directory_with(policy: str, now: float, **reports: tuple[str, float]) -> FakeDirectory:
+    """A DirectoryState behind a fake handle, clock at `now`; reports: replica -> (pool, time)."""
+    state = DirectoryState(DirectorySettings(policy=policy, stale_after_s=10.0))  # type: ignore[arg-type]
+    for replica, (pool, at) in reports.items():
+        state.report(replica, pool, {"kv_usage": 0.0}, at)
+    return FakeDirectory(state=state, clock=lambda: now)
+
+
+@pytest.mark.parametrize(
+    "policy, disaggregated, reports, status, live",
+    [
+        ("conversation", True, {"d0": ("decode", 0.0), "p0": ("prefill", 0.0)}, "ok", {"decode": 1, "prefill": 1}),
+        ("conversation", True, {"d0": ("decode", 0.0), "d1": ("decode", 0.0)}, "unavailable", {"decode": 2, "prefill": 0}),
+        ("conversation", True, {"d0": ("decode", 0.0), "p0": ("prefill", -20.0)}, "unavailable", {"decode": 1, "prefill": 0}),
+        ("colocated", False, {"d0": ("decode", 0.0)}, "ok", {"decode": 1, "prefill": 0}),
+        ("colocated", False, {"d0": ("decode", -20.0)}, "unavailable", {"decode": 0, "prefill": 0}),
+        ("round_robin", False, {}, "unavailable", {"decode": 0, "prefill": 0}),
+    ],
+    ids=["pd-up", "pd-no-prefill", "pd-stale-prefill", "colocated-up", "colocated-stale", "nothing-reported"],
+)
+def test_ingress_health_needs_the_live_replicas_its_policy_uses(
+    policy: str, disaggregated: bool, reports: dict[str, tuple[str, float]], status: str, live: dict[str, int]
+) -> None:
+    report = ingress_health(directory_with(policy, 1.0, **reports), disaggregated)
+    assert report == {"status": status, "model": "m", "policy": policy, "live_replicas": live}
+
+
+def test_ingress_health_without_a_directory_is_unavailable() -> None:
+    report = ingress_health(FakeDirectory(errors={"snapshot": RuntimeError("gone")}), disaggregated=False)
+    assert report == {"status": "unavailable", "model": "m", "error": "directory: RuntimeError"}
 
 
 def test_unknown_route_and_wrong_method_get_openai_errors(api: Api) -> None:
@@ -286,6 +363,20 @@ def test_invalid_session_ids_are_400(api: Api, sid: str) -> None:
     assert_error(api.chat(headers={"x-session-id": sid}), 400, param="session_id")
     assert_error(api.chat(session_id=sid), 400, param="session_id")
     assert api.backend.requests == []
+
+
+def test_user_reaches_the_backend(api: Api) -> None:
+    # the directory records who a conversation belongs to
+    assert api.chat(user="alice", headers={"x-session-id": "c"}).status_code == 200
+    assert api.backend.last.user == "alice" and api.backend.last.session_id == "c"
+    assert api.chat().status_code == 200 and api.backend.last.user is None
+    assert api.client.post("/v1/completions", json={"prompt": "hi", "user": "bob"}).status_code == 200
+    assert api.backend.last.user == "bob"
+
+
+def test_the_frontend_never_places_a_request_itself(api: Api) -> None:
+    assert api.chat(headers={"x-session-id": "c"}).status_code == 200
+    assert api.backend.last.target_replica is None and api.backend.last.kv_transfer_params is None
 
 
 def test_completion_session_reaches_the_backend(api: Api) -> None:

@@ -1,249 +1,153 @@
-"""Pure placement (router/placement.py): load ranking, conversation affinity and the pin table.
-
-`place` below does what ConversationAffinityRouter.choose_replicas does with the pure parts, so
-the scenarios exercise the same pin/route sequence without Ray; every scenario ends with
-PinTable.check_integrity()."""
+"""Pure load ranking (router/placement.py): what the Serve request router does when a request
+carries no target (a prefill, or a turn the directory could not place), and how it honours the
+target the conversation directory chose."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from router.placement import LoadWeights, PinTable, ReplicaLoad, RouteDecision, load_score, rank_by_load, route_with_affinity
+from router.placement import LoadWeights, ReplicaLoad, load_score, rank_by_load, rank_with_target
 
 W = LoadWeights()
+KV_ONLY = LoadWeights(kv_weight=1.0, queue_weight=0.0, prefill_token_weight=0.0)
+QUEUE_ONLY = LoadWeights(kv_weight=0.0, queue_weight=1.0, prefill_token_weight=0.0)
+PREFILL_ONLY = LoadWeights(kv_weight=0.0, queue_weight=0.0, prefill_token_weight=1.0)
 
 
-def loads(**kv_and_queue: tuple[float, int]) -> list[ReplicaLoad]:
-    return [ReplicaLoad(replica_id=r, kv_usage=kv, queue_len=q) for r, (kv, q) in kv_and_queue.items()]
-
-
-def place(pins: PinTable, session: str | None, candidates: list[ReplicaLoad], w: LoadWeights = W) -> RouteDecision:
-    """The router's sequence: look up the pin, route, record the new pin (as serve_router does)."""
-    pinned = pins.get(session) if session else None
-    decision = route_with_affinity(session, pinned, candidates, w)
-    if session and decision.reason != "pinned" and decision.ranks:
-        pins.pin(session, decision.ranks[0][0])
-    return decision
+def load(replica_id: str, kv: float = 0.0, queue: int = 0, prefill: int = 0) -> ReplicaLoad:
+    return ReplicaLoad(replica_id, kv_usage=kv, queue_len=queue, pending_prefill_tokens=prefill)
 
 
 def flat(ranks: tuple[tuple[str, ...], ...]) -> list[str]:
     return [r for rank in ranks for r in rank]
 
 
-# ---- load ranking ---------------------------------------------------------------------------------
+# ---- load score ----------------------------------------------------------------------------------
 
 
-def test_load_score_weighs_kv_and_queue() -> None:
-    assert load_score(ReplicaLoad("a", kv_usage=0.5, queue_len=4), LoadWeights(kv_weight=2.0, queue_weight=0.25)) == pytest.approx(2.0)
+def test_load_score_weighs_kv_queue_and_pending_prefill_tokens() -> None:
+    w = LoadWeights(kv_weight=2.0, queue_weight=0.25, prefill_token_weight=0.001)
+    assert load_score(load("a", kv=0.5, queue=4, prefill=3000), w) == pytest.approx(2 * 0.5 + 0.25 * 4 + 0.001 * 3000)
+
+
+def test_default_weights_make_one_8k_prefill_weigh_one_full_kv_pool() -> None:
+    assert load_score(load("a", prefill=8192), W) == pytest.approx(load_score(load("b", kv=1.0), W))
+    assert load_score(load("a"), W) == 0.0
+
+
+@pytest.mark.parametrize(
+    "w, field", [(KV_ONLY, "kv"), (QUEUE_ONLY, "queue"), (PREFILL_ONLY, "prefill")], ids=["kv", "queue", "prefill"]
+)
+def test_a_zero_weight_ignores_its_signal(w: LoadWeights, field: str) -> None:
+    # each replica is heavy on exactly one signal; only the weighted one counts
+    heavy = {"kv": load("kv-heavy", kv=0.9), "queue": load("queue-heavy", queue=9), "prefill": load("prefill-heavy", prefill=9000)}
+    ranks = rank_by_load(list(heavy.values()), w)
+    assert ranks[-1] == (heavy[field].replica_id,)
+    assert len(ranks) == 2 and sorted(ranks[0]) == sorted(r.replica_id for k, r in heavy.items() if k != field)
+
+
+# ---- rank_by_load --------------------------------------------------------------------------------
 
 
 def test_rank_by_kv_usage_least_loaded_first() -> None:
-    assert rank_by_load(loads(a=(0.9, 0), b=(0.1, 0), c=(0.5, 0)), W) == (("b",), ("c",), ("a",))
+    assert rank_by_load([load("a", kv=0.9), load("b", kv=0.1), load("c", kv=0.5)], W) == (("b",), ("c",), ("a",))
 
 
 def test_rank_by_queue_len() -> None:
-    assert rank_by_load(loads(a=(0.0, 3), b=(0.0, 1), c=(0.0, 2)), W) == (("b",), ("c",), ("a",))
+    assert rank_by_load([load("a", queue=3), load("b", queue=1), load("c", queue=2)], W) == (("b",), ("c",), ("a",))
+
+
+def test_rank_by_pending_prefill_tokens() -> None:
+    ranks = rank_by_load([load("a", prefill=4096), load("b", prefill=0), load("c", prefill=1024)], W)
+    assert ranks == (("b",), ("c",), ("a",))
+
+
+def test_pending_prefill_outweighs_a_short_queue_with_default_weights() -> None:
+    # b holds one request with a 6k-token prompt still to prefill (0.05 + 0.73); a holds 4 short ones (0.2)
+    assert rank_by_load([load("a", queue=4), load("b", queue=1, prefill=6000)], W) == (("a",), ("b",))
 
 
 def test_weights_decide_between_kv_and_queue() -> None:
-    candidates = loads(full_kv=(0.8, 0), long_queue=(0.0, 10))
+    candidates = [load("full_kv", kv=0.8), load("long_queue", queue=10)]
     assert rank_by_load(candidates, LoadWeights(kv_weight=1.0, queue_weight=0.05))[0] == ("long_queue",)  # 0.8 vs 0.5
     assert rank_by_load(candidates, LoadWeights(kv_weight=1.0, queue_weight=0.1))[0] == ("full_kv",)  # 0.8 vs 1.0
-    assert rank_by_load(candidates, LoadWeights(kv_weight=0.0, queue_weight=1.0))[0] == ("full_kv",)
 
 
-def test_ties_are_grouped_in_one_rank_in_id_order() -> None:
-    assert rank_by_load(loads(c=(0.2, 0), a=(0.2, 0), b=(0.0, 4), d=(0.5, 0)), W) == (("a", "b", "c"), ("d",))
+def test_ties_are_grouped_in_one_rank_in_replica_id_order() -> None:
+    candidates = [load("c", kv=0.2), load("a", kv=0.2), load("b", queue=4), load("d", kv=0.5)]
+    assert rank_by_load(candidates, W) == (("a", "b", "c"), ("d",))
+
+
+def test_tie_order_does_not_depend_on_input_order() -> None:
+    candidates = [load(r) for r in ("r3", "r1", "r2")]
+    for seed in range(5):
+        shuffled = candidates[:]
+        random.Random(seed).shuffle(shuffled)
+        assert rank_by_load(shuffled, W) == (("r1", "r2", "r3"),)
 
 
 def test_float_noise_does_not_split_a_tie() -> None:
     # 0.1 + 0.2 != 0.3 in floating point; the two replicas carry the same load
-    candidates = [ReplicaLoad("a", kv_usage=0.1 + 0.2), ReplicaLoad("b", kv_usage=0.3), ReplicaLoad("c", kv_usage=0.5)]
-    ranks = rank_by_load(candidates, W)
-    assert len(ranks) == 2 and sorted(ranks[0]) == ["a", "b"] and ranks[1] == ("c",)
+    ranks = rank_by_load([load("a", kv=0.1 + 0.2), load("b", kv=0.3), load("c", kv=0.5)], W)
+    assert ranks == (("a", "b"), ("c",))
 
 
 def test_rank_of_nothing_is_empty() -> None:
     assert rank_by_load([], W) == ()
 
 
-# ---- affinity -------------------------------------------------------------------------------------
+# ---- rank_with_target -----------------------------------------------------------------------------
 
 
-def test_requests_without_a_session_get_grouped_ranks() -> None:
-    candidates = loads(a=(0.2, 0), b=(0.2, 0), c=(0.9, 0))
-    decision = route_with_affinity(None, None, candidates, W)
-    assert decision == RouteDecision(ranks=(("a", "b"), ("c",)), reason="no_session")
+def test_a_target_among_the_candidates_is_ranked_alone() -> None:
+    # the busiest replica: the directory chose it (the conversation's KV lives there)
+    candidates = [load("a", kv=0.1), load("b", kv=0.95, queue=8), load("c")]
+    assert rank_with_target("b", candidates, W) == (("b",),)
 
 
-def test_no_candidates_means_no_ranks() -> None:
-    assert route_with_affinity("s", "a", [], W) == RouteDecision(ranks=(), reason="no_session")
+def test_a_target_that_is_not_a_candidate_falls_back_to_load() -> None:
+    candidates = [load("a", kv=0.5), load("b", kv=0.1), load("c", kv=0.1)]
+    assert rank_with_target("gone", candidates, W) == (("b", "c"), ("a",))
 
 
-def test_a_new_session_goes_to_exactly_the_least_loaded_replica() -> None:
-    decision = route_with_affinity("s", None, loads(a=(0.5, 0), b=(0.1, 0), c=(0.3, 0)), W)
-    assert decision == RouteDecision(ranks=(("b",), ("c",), ("a",)), reason="new")
+def test_no_target_ranks_by_load() -> None:
+    candidates = [load("a", queue=2), load("b")]
+    assert rank_with_target(None, candidates, W) == rank_by_load(candidates, W) == (("b",), ("a",))
 
 
-def test_a_new_session_breaks_a_tie_deterministically() -> None:
-    decision = route_with_affinity("s", None, loads(b=(0.0, 0), a=(0.0, 0)), W)
-    assert decision.ranks == (("a",), ("b",)) and decision.reason == "new"
+def test_a_target_with_no_candidates_is_nothing() -> None:
+    assert rank_with_target("a", [], W) == ()
 
 
-def test_a_pinned_session_stays_even_when_its_replica_is_busiest() -> None:
-    decision = route_with_affinity("s", "a", loads(a=(0.9, 5), b=(0.1, 0), c=(0.1, 0), d=(0.4, 0)), W)
-    assert decision == RouteDecision(ranks=(("a",), ("b", "c"), ("d",)), reason="pinned")
+# ---- property: ranks partition the candidates in score order --------------------------------------
 
 
-def test_a_pinned_replica_that_was_alone_in_its_rank_leaves_no_empty_rank() -> None:
-    decision = route_with_affinity("s", "b", loads(a=(0.0, 0), b=(0.5, 0), c=(0.9, 0)), W)
-    assert decision.ranks == (("b",), ("a",), ("c",))
-
-
-def test_a_pin_on_a_vanished_replica_is_repinned_to_one_replica() -> None:
-    decision = route_with_affinity("s", "gone", loads(a=(0.3, 0), b=(0.3, 0), c=(0.1, 0)), W)
-    assert decision.reason == "repinned"
-    assert decision.ranks == (("c",), ("a",), ("b",))
-    assert len(decision.ranks[0]) == 1
-
-
-# ---- scenarios through the pin table ---------------------------------------------------------------
-
-
-def test_conversation_keeps_its_replica_across_turns() -> None:
-    pins = PinTable()
-    first = place(pins, "conv-1", loads(a=(0.5, 0), b=(0.0, 0)))
-    assert first.reason == "new" and pins.get("conv-1") == "b"
-    # b gets busy; the conversation stays there (its KV lives on b), a is the fallback
-    later = place(pins, "conv-1", loads(a=(0.0, 0), b=(0.9, 8)))
-    assert later == RouteDecision(ranks=(("b",), ("a",)), reason="pinned")
-    assert pins.get("conv-1") == "b" and len(pins) == 1
-    pins.check_integrity()
-
-
-def test_new_conversations_spread_by_load() -> None:
-    pins = PinTable()
-    queue = {"a": 0, "b": 0, "c": 0}
-    for i in range(6):
-        decision = place(pins, f"conv-{i}", [ReplicaLoad(r, queue_len=q) for r, q in queue.items()])
-        queue[decision.ranks[0][0]] += 1
-    assert queue == {"a": 2, "b": 2, "c": 2}
-    pins.check_integrity()
-
-
-def test_replica_death_drops_its_pins_and_the_session_moves() -> None:
-    pins = PinTable()
-    place(pins, "s1", loads(a=(0.0, 0), b=(0.5, 0)))
-    place(pins, "s2", loads(a=(0.5, 0), b=(0.0, 0)))
-    place(pins, "s3", loads(a=(0.0, 0), b=(0.5, 0)))
-    assert (pins.get("s1"), pins.get("s2"), pins.get("s3")) == ("a", "b", "a")
-    assert pins.drop_replica("a") == 2
-    assert pins.drop_replica("a") == 0
-    assert pins.get("s1") is None and pins.get("s2") == "b" and len(pins) == 1
-    moved = place(pins, "s1", loads(b=(0.2, 0), c=(0.1, 0)))
-    assert moved.reason == "new" and pins.get("s1") == "c"
-    pins.check_integrity()
-
-
-def test_pinned_replica_missing_from_candidates_is_repinned() -> None:
-    pins = PinTable()
-    place(pins, "s", loads(a=(0.0, 0), b=(0.5, 0)))
-    moved = place(pins, "s", loads(b=(0.5, 0), c=(0.6, 0)))
-    assert moved.reason == "repinned" and moved.ranks == (("b",), ("c",))
-    assert pins.get("s") == "b"
-    again = place(pins, "s", loads(a=(0.0, 0), b=(0.5, 0), c=(0.0, 0)))
-    assert again.reason == "pinned" and again.ranks[0] == ("b",)
-    pins.check_integrity()
-
-
-# ---- pin table ---------------------------------------------------------------------------------------
-
-
-def test_pin_table_is_a_bounded_lru() -> None:
-    pins = PinTable(capacity=2)
-    pins.pin("s1", "a")
-    pins.pin("s2", "b")
-    assert pins.get("s1") == "a"  # s1 is now the most recent
-    pins.pin("s3", "c")  # evicts s2, the least recently used
-    assert len(pins) == 2
-    assert pins.get("s2") is None and pins.get("s1") == "a" and pins.get("s3") == "c"
-    pins.check_integrity()
-
-
-def test_repinning_a_session_moves_it_without_growing() -> None:
-    pins = PinTable(capacity=2)
-    pins.pin("s1", "a")
-    pins.pin("s2", "b")
-    pins.pin("s1", "c")  # s1 refreshed and moved; s2 is now the oldest
-    pins.pin("s3", "a")
-    assert len(pins) == 2 and pins.get("s1") == "c" and pins.get("s2") is None
-    pins.check_integrity()
-
-
-def test_get_of_an_unknown_session_is_none_and_changes_nothing() -> None:
-    pins = PinTable(capacity=1)
-    pins.pin("s1", "a")
-    assert pins.get("nobody") is None
-    assert len(pins) == 1 and pins.get("s1") == "a"
-    pins.check_integrity()
-
-
-def test_pin_table_capacity_must_be_positive() -> None:
-    with pytest.raises(ValueError):
-        PinTable(capacity=0)
-
-
-# ---- property: ranks are a partition of the candidates -------------------------------------------------
-
-
-def random_case(rng: random.Random) -> tuple[str | None, str | None, list[ReplicaLoad], LoadWeights]:
-    n = rng.randint(0, 7)
-    ids = rng.sample([f"r{i}" for i in range(10)], n)
+def random_loads(rng: random.Random) -> list[ReplicaLoad]:
+    ids = rng.sample([f"r{i}" for i in range(10)], rng.randint(0, 7))
     # few distinct values so ties are common
-    candidates = [ReplicaLoad(r, kv_usage=rng.choice([0.0, 0.25, 0.5, 1.0]), queue_len=rng.randint(0, 3)) for r in ids]
-    session = rng.choice([None, "s"])
-    pinned = rng.choice([None, "gone", *ids]) if session else None
-    w = LoadWeights(kv_weight=rng.choice([0.0, 1.0, 2.0]), queue_weight=rng.choice([0.0, 0.05, 0.25]))
-    return session, pinned, candidates, w
+    return [
+        load(r, kv=rng.choice([0.0, 0.25, 0.5, 1.0]), queue=rng.randint(0, 3), prefill=rng.choice([0, 2048, 8192])) for r in ids
+    ]
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_every_candidate_appears_exactly_once_across_ranks(seed: int) -> None:
+def test_ranks_partition_the_candidates_by_ascending_score(seed: int) -> None:
     """Property-style (hypothesis is not installed here): 50 random cases per seed."""
     rng = random.Random(seed)
     for _ in range(50):
-        session, pinned, candidates, w = random_case(rng)
-        decision = route_with_affinity(session, pinned, candidates, w)
-        ids = sorted(c.replica_id for c in candidates)
-        case = (session, pinned, candidates, w, decision)
-        assert sorted(flat(decision.ranks)) == ids, case
-        assert all(decision.ranks), case  # no empty rank
-        if session is None or not candidates:
-            assert decision.reason == "no_session", case
-            assert decision.ranks == rank_by_load(candidates, w), case
-            continue
-        assert len(decision.ranks[0]) == 1, case  # a session goes to exactly one replica first
-        if pinned in ids:
-            assert decision.reason == "pinned" and decision.ranks[0] == (pinned,), case
-        else:
-            assert decision.reason == ("new" if pinned is None else "repinned"), case
-            best = min(load_score(c, w) for c in candidates)
-            chosen = next(c for c in candidates if c.replica_id == decision.ranks[0][0])
-            assert load_score(chosen, w) == pytest.approx(best), case
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_pin_table_stays_within_capacity_under_random_traffic(seed: int) -> None:
-    rng = random.Random(seed)
-    pins = PinTable(capacity=5)
-    replicas = ["a", "b", "c"]
-    for _ in range(200):
-        op = rng.random()
-        if op < 0.1:
-            pins.drop_replica(rng.choice(replicas))
-        else:
-            alive = rng.sample(replicas, rng.randint(1, 3))
-            place(pins, f"s{rng.randint(0, 12)}", [ReplicaLoad(r, queue_len=rng.randint(0, 3)) for r in alive])
-        pins.check_integrity()
-        assert len(pins) <= 5
+        candidates = random_loads(rng)
+        w = LoadWeights(kv_weight=rng.choice([0.0, 1.0, 2.0]), queue_weight=rng.choice([0.0, 0.05, 0.25]), prefill_token_weight=rng.choice([0.0, 1 / 8192]))
+        ranks = rank_by_load(candidates, w)
+        case = (candidates, w, ranks)
+        assert sorted(flat(ranks)) == sorted(c.replica_id for c in candidates), case
+        assert all(ranks), case
+        score = {c.replica_id: load_score(c, w) for c in candidates}
+        for rank in ranks:
+            assert list(rank) == sorted(rank), case  # replica-id order within a rank
+            assert all(score[r] == pytest.approx(score[rank[0]]) for r in rank), case
+        firsts = [score[rank[0]] for rank in ranks]
+        assert all(a < b for a, b in zip(firsts, firsts[1:])), case  # strictly ascending between ranks
+        target = rng.choice([None, "gone", *score])
+        with_target = rank_with_target(target, candidates, w)
+        assert with_target == (((target,),) if target in score else ranks), case
