@@ -8,6 +8,7 @@ from typing import Any
 
 BENCHMARKS = {
     "overhead": "bench.overhead",  # Baton vs bare vLLM, same engine and prompts
+    "conserve": "bench.conserve",  # routing policies on one agentic trace
 }
 
 
