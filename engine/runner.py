@@ -136,11 +136,19 @@ class EngineRunner:
     # ---- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
         t0 = time.monotonic()
+        cpus = os.sched_getaffinity(0)
         try:
             from vllm.engine.arg_utils import EngineArgs
             from vllm.v1.engine.llm_engine import LLMEngine
 
-            engine = LLMEngine.from_engine_args(EngineArgs(**self._spec.engine_kwargs))
+            try:
+                engine = LLMEngine.from_engine_args(EngineArgs(**self._spec.engine_kwargs))
+            finally:
+                # NIXL's CPU worker pins the thread that builds the engine to the last core; with
+                # several engines on a machine they would all share it. Keep our own mask unless
+                # vLLM binds threads on purpose.
+                if self._spec.env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind") == "nobind":
+                    os.sched_setaffinity(0, cpus)
         except BaseException as e:  # noqa: BLE001 - reported to the constructor
             logger.exception("engine start failed")
             self._start_error = e
@@ -158,7 +166,10 @@ class EngineRunner:
                 busy = engine.has_unfinished_requests()
                 if not self._drain_commands(engine, block=not busy):
                     break
-                if engine.has_unfinished_requests():
+                # a prefill engine holding KV for a decoder has no unfinished request but must
+                # keep stepping to see the reader's notification and free the blocks
+                holding = self._scheduler is not None and self._scheduler.has_requests()
+                if engine.has_unfinished_requests() or holding:
                     outputs = engine.step()
                     steps += 1
                     self._dispatch(outputs)

@@ -49,7 +49,7 @@ class TransferTotals:
 class TransferRecord:
     """One finished transfer of one request, from this engine's side."""
 
-    request_id: str
+    request_id: str  # vLLM's internal id: the caller's request id + "-" + 8 hex digits
     kind: RecordKind
     blocks: int  # received: blocks read; sent: blocks held for the reader; failed/expired: 0
     bytes: int  # blocks × bytes per block

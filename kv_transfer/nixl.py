@@ -20,10 +20,16 @@ prefill's kv_transfer_params (remote_host/remote_port), which is where decode en
 The port is offset by the data-parallel index (port + dp index), so one engine with DP=1 uses
 exactly the port given. vLLM caches `vllm.envs` once an engine core is up, so the values must be
 in os.environ before the engine is built, and one process serves one side channel.
+
+On CPU hosts the connector lowers NIXL's own threads to nice 19 (see lower_thread_priority).
+vLLM enables a few NIXL-only settings by connector *name* (`has_connector("NixlConnector")`);
+under our name they stay off. The one that matters on CPU: hybrid (Mamba) models need
+VLLM_SSM_CONV_STATE_LAYOUT=DS in the engine environment, which vLLM would otherwise set itself.
 """
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 from typing import Any
@@ -105,10 +111,37 @@ def kv_bytes_per_block(kv_caches: dict[str, Any], num_blocks: int) -> int:
     return total // num_blocks
 
 
+def _thread_ids() -> set[int]:
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:  # not Linux: nothing to find
+        return set()
+
+
+def lower_thread_priority(thread_ids: set[int], niceness: int = 19) -> list[int]:
+    """Give these threads of this process the lowest CPU priority; returns those changed.
+
+    NIXL's agent runs a progress thread that polls its backends with no pause (nixl `_api.py`
+    sets pthrDelay=0 and vLLM offers no way to change it): one full core per engine even when
+    idle. On a CPU host that core is the engines' own; at nice 19 the poller only takes what the
+    forward passes leave. (Turning the thread off instead stalls the handoff: the prefill engine
+    then makes no UCX progress while it is idle.)
+    """
+    changed = []
+    for tid in sorted(thread_ids & _thread_ids()):  # only this process's live threads
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)  # Linux: a thread id sets one thread
+        except OSError:  # the thread ended meanwhile
+            continue
+        changed.append(tid)
+    return changed
+
+
 def _build_connector_class() -> type:
     """Subclass vLLM's NixlConnector (imports vLLM; called in the engine process only)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
+    from vllm.platforms import current_platform
 
     class CountingNixlConnector(NixlConnector):  # type: ignore[misc, valid-type]
         """NixlConnector that records, per request, the KV it pulled or served.
@@ -121,14 +154,22 @@ def _build_connector_class() -> type:
         Producer: the scheduler half's `request_finished` says which blocks are held for a
         reader; the worker half reports them freed in finished_sending, read by the consumer
         when the consumer's notification arrived, else released because the lease expired.
+        Request ids are vLLM's internal ones. Bytes are blocks × bytes per block over all layers:
+        exact with one KV cache group (full attention, e.g. SmolLM2); with several groups
+        (hybrid models) blocks are summed over groups and only nixl_bytes_read is exact.
         """
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
-            super().__init__(vllm_config, role, kv_cache_config)
+            before = _thread_ids()
+            super().__init__(vllm_config, role, kv_cache_config)  # the worker half starts NIXL's threads
             self._ledger = process_ledger()
             self._served_now: set[str] = set()
+            self._served_known = True
             if role == KVConnectorRole.WORKER:
                 self._watch_consumer_notifications()
+                if current_platform.device_type == "cpu":
+                    started = lower_thread_priority(_thread_ids() - before)
+                    logger.info("NIXL started threads %s; lowered to nice 19 (its progress thread never sleeps)", started)
 
         # ---- worker half ---------------------------------------------------------------
         def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -148,7 +189,7 @@ def _build_connector_class() -> type:
             for req_id in results.finished_recving:
                 self._ledger.end_receive(req_id, ok=req_id not in results.failed_recving)
             for req_id in results.finished_sending:
-                self._ledger.note_released(req_id, served=req_id in self._served_now)
+                self._ledger.note_released(req_id, served=req_id in self._served_now or not self._served_known)
             self._served_now.clear()
             return results
 
@@ -167,7 +208,7 @@ def _build_connector_class() -> type:
             original = getattr(worker, "_get_new_notifs", None)
             if original is None:
                 logger.warning("NIXL worker has no _get_new_notifs: every release counts as served")
-                self._served_now = _Everything()
+                self._served_known = False
                 return
 
             def notified() -> set[str]:
@@ -197,14 +238,8 @@ def _build_connector_class() -> type:
                 self._ledger.note_offered(request_id, blocks)
 
     CountingNixlConnector.__module__ = __name__
+    CountingNixlConnector.__qualname__ = CONNECTOR_NAME
     return CountingNixlConnector
-
-
-class _Everything(set):
-    """A set that contains every id (fallback when served requests cannot be told apart)."""
-
-    def __contains__(self, item: object) -> bool:
-        return True
 
 
 _connector_class: type | None = None

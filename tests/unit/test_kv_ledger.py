@@ -1,7 +1,9 @@
 """The KV transfer ledger and the NIXL config helpers, without an engine (milliseconds)."""
 from __future__ import annotations
 
+import os
 import socket
+import sys
 import threading
 
 import pytest
@@ -13,6 +15,7 @@ from kv_transfer.nixl import (
     SIDE_CHANNEL_HOST_ENV,
     SIDE_CHANNEL_PORT_ENV,
     kv_bytes_per_block,
+    lower_thread_priority,
     nixl_kv_transfer_config,
     side_channel_env,
 )
@@ -206,3 +209,30 @@ def test_bytes_per_block_sums_layers_and_counts_shared_memory_once() -> None:
     assert kv_bytes_per_block(caches, num_blocks=10) == 2 * 3 * 128 * 128 * 2
     with pytest.raises(ValueError):
         kv_bytes_per_block(caches, num_blocks=7)
+
+
+def _nice(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux only")
+def test_lower_thread_priority_changes_only_the_given_threads() -> None:
+    ready, stop, tids = threading.Event(), threading.Event(), []
+
+    def park() -> None:
+        tids.append(threading.get_native_id())
+        ready.set()
+        stop.wait()
+
+    t = threading.Thread(target=park)
+    t.start()
+    ready.wait()
+    try:
+        mine = _nice(threading.get_native_id())
+        assert lower_thread_priority({tids[0], 2**22 + 12345}) == [tids[0]]  # the second id is no thread here
+        assert _nice(tids[0]) == 19
+        assert _nice(threading.get_native_id()) == mine == os.getpriority(os.PRIO_PROCESS, 0)
+    finally:
+        stop.set()
+        t.join()
