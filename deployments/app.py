@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ray import serve
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig as ServeAutoscaling
 from ray.serve.config import RequestRouterConfig

@@ -53,15 +53,17 @@ class PoolBackend:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         for attempt in (1, 2):
-            target, remote_prefill = await self._plan(request)
+            target, remote_prefill, turn_index = await self._plan(request)
             kv_params = await self._remote_prefill(request) if remote_prefill else None
             decode_req = replace(request, target_replica=target, kv_transfer_params=kv_params)
             gen = self._decode.options(stream=True).generate.remote(decode_req)
             yielded = done = False
             try:
                 async for delta in gen:
-                    if not yielded and delta.replica and delta.replica != target:
-                        await self._tell_directory("served", request.session_id, delta.replica)
+                    if not yielded:
+                        if delta.replica and delta.replica != target:
+                            await self._tell_directory("served", request.session_id, delta.replica)
+                        delta = replace(delta, turn_index=turn_index)
                     yielded = True
                     done = delta.finished
                     yield delta
@@ -81,18 +83,19 @@ class PoolBackend:
                 if not done:
                     gen.cancel()
 
-    async def _plan(self, request: GenerationRequest) -> tuple[str | None, bool]:
-        """(decode replica, remote prefill?) from the directory; without one, place by load."""
+    async def _plan(self, request: GenerationRequest) -> tuple[str | None, bool, int | None]:
+        """(decode replica, remote prefill?, turn index) from the directory; without it, place by load."""
         if self._directory is None:
-            return None, False
+            return None, False, None
         try:
             plan = await asyncio.wait_for(
                 self._directory.route.remote(request.session_id, request.user, len(request.prompt_token_ids)), DIRECTORY_TIMEOUT_S
             )
         except Exception as e:  # noqa: BLE001 - the directory is advice; serving goes on without it
             logger.warning("conversation directory could not place %s (%s); placing by load", request.request_id, type(e).__name__)
-            return None, False
-        return plan.decode_replica, plan.remote_prefill and self._prefill is not None
+            return None, False, None
+        turn = plan.turn_index if request.session_id else None
+        return plan.decode_replica, plan.remote_prefill and self._prefill is not None, turn
 
     async def _remote_prefill(self, request: GenerationRequest) -> dict[str, Any] | None:
         """Prefill on the prefill pool; returns the KV handle for the decoder, or None to make the

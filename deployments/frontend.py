@@ -247,13 +247,16 @@ class _Accumulator:
         self.finish_reason: str | None = None
         self.texts: list[str] = []
         self.replica: str | None = None
+        self._turn: int | None = None
         self._t_first: float | None = None
 
     def add(self, d: GenerationDelta) -> None:
         self.replica = self.replica or d.replica
+        if d.turn_index is not None:
+            self._turn = d.turn_index
         if d.token_ids and self._t_first is None:
             self._t_first = time.monotonic()
-            self._metrics.ttft(self._endpoint, self._t_first - self._t0)
+            self._metrics.ttft(self._endpoint, self._t_first - self._t0, self._turn)
         self.prompt_tokens = max(self.prompt_tokens, d.prompt_tokens)
         self.cached_tokens = max(self.cached_tokens, d.cached_tokens)
         self.completion_tokens += len(d.token_ids)

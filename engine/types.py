@@ -43,6 +43,7 @@ class GenerationDelta:
     finish_reason: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     replica: str | None = None  # set on a request's first delta by the replica that serves it
+    turn_index: int | None = None  # the turn's index in its conversation (first delta; set by the ingress)
 
 
 @dataclass(frozen=True)

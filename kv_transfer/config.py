@@ -14,16 +14,11 @@ RoutingPolicy = Literal["colocated", "conversation", "per_turn_pd", "round_robin
 
 @dataclass(frozen=True)
 class KVTransferPlan:
-    """What connector (if any) an engine of a pool runs, as a dict vLLM's KVTransferConfig accepts."""
+    """What connector (if any) an engine of a pool runs, in which role, with its buffer where."""
 
     connector: str | None
     role: str | None
     buffer_device: str
-
-    def as_engine_arg(self) -> dict[str, Any] | None:
-        if self.connector is None:
-            return None
-        return {"kv_connector": self.connector, "kv_role": self.role, "kv_buffer_device": self.buffer_device}
 
 
 def kv_transfer_plan(role: PoolRole, policy: RoutingPolicy, on_gpu: bool) -> KVTransferPlan:

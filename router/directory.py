@@ -28,6 +28,8 @@ class ConversationDirectory:
         self._handoffs = metrics.Counter("baton_planned_handoffs", "turns prefilled on the prefill pool with a KV handoff")
         self._occupancy = metrics.Gauge("baton_decoder_kv_usage", "KV occupancy of each decode replica", tag_keys=("decoder",))
         self._pinned = metrics.Gauge("baton_decoder_pinned_conversations", "conversations pinned to each decode replica", tag_keys=("decoder",))
+        self._kv_in = metrics.Gauge("baton_decoder_kv_bytes_received", "KV bytes a decode replica pulled over NIXL (its connector's count)", tag_keys=("decoder",))
+        self._kv_transfers = metrics.Gauge("baton_decoder_kv_transfers_received", "KV transfers a decode replica completed (its connector's count)", tag_keys=("decoder",))
 
     def _ensure_expiry(self) -> None:
         if self._expiry_task is None:
@@ -48,6 +50,8 @@ class ConversationDirectory:
             tags = {"decoder": replica_id}
             self._occupancy.set(float(stats.get("kv_usage", 0.0)), tags=tags)
             self._pinned.set(self._state.pinned_counts().get(replica_id, 0), tags=tags)
+            self._kv_in.set(float(stats.get("kv_bytes_received", 0)), tags=tags)
+            self._kv_transfers.set(float(stats.get("kv_transfers_received", 0)), tags=tags)
 
     async def route(self, session_id: str | None, user: str | None, prompt_tokens: int) -> TurnPlan:
         self._ensure_expiry()

@@ -114,6 +114,7 @@ class DirectoryState:
             self.totals["planned_handoffs"] += 1
         if session_id is not None:
             self._record(session_id, user, plan, now)
+            plan = replace(plan, turn_index=self._pins[session_id].turns - 1)
         return plan
 
     def _record(self, session_id: str, user: str | None, plan: TurnPlan, now: float) -> None:

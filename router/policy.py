@@ -17,7 +17,7 @@ fills up and forces preemption; pinned conversations are load the decoder has al
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 Policy = Literal["conversation", "per_turn_pd", "colocated", "round_robin"]
@@ -48,6 +48,7 @@ class TurnPlan:
     decode_replica: str
     remote_prefill: bool  # prefill on the prefill pool and move the KV to decode_replica
     reason: Literal["pinned", "new", "repinned", "per_turn", "round_robin"]
+    turn_index: int = field(default=0, compare=False)  # 0 for a conversation's first turn (set by the directory)
 
 
 class NoReplicaAvailable(RuntimeError):

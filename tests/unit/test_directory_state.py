@@ -430,3 +430,11 @@ def test_random_traffic_keeps_the_invariants(make_state: MakeState, policy: str,
         state.check_integrity()
         assert sum(state.pinned_counts().values()) == state.snapshot(now)["live_pins"] <= 6
     assert state.totals["planned_handoffs"] == handoffs
+
+
+def test_turn_index_counts_the_turns_of_a_conversation(make_state: MakeState) -> None:
+    state = make_state("conversation")
+    up(state, 0.0, "d0", "d1")
+    assert [state.route("s", None, 100, now=0.1 * i).turn_index for i in range(3)] == [0, 1, 2]
+    assert state.route("other", None, 100, now=0.5).turn_index == 0
+    state.check_integrity()

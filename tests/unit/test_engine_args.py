@@ -36,7 +36,7 @@ def spec_of(cfg: EngineConfig | None = None, *, role: str = "decode", policy: st
 @pytest.mark.parametrize("on_gpu", [False, True])
 def test_whole_request_policies_have_no_kv_connector(policy: str, role: str, on_gpu: bool) -> None:
     assert "kv_transfer_config" not in spec_of(role=role, policy=policy, on_gpu=on_gpu).engine_kwargs
-    assert kv_transfer_plan(role, policy, on_gpu).as_engine_arg() is None  # type: ignore[arg-type]
+    assert kv_transfer_plan(role, policy, on_gpu).connector is None  # type: ignore[arg-type]
 
 
 NIXL_PLANS = [
@@ -50,7 +50,8 @@ NIXL_PLANS = [
 @pytest.mark.parametrize("policy", ["conversation", "per_turn_pd"])
 @pytest.mark.parametrize("role, on_gpu, expected", NIXL_PLANS)
 def test_disaggregated_policies_plan_nixl_by_role(policy: str, role: str, on_gpu: bool, expected: dict[str, str]) -> None:
-    assert kv_transfer_plan(role, policy, on_gpu).as_engine_arg() == expected  # type: ignore[arg-type]
+    plan = kv_transfer_plan(role, policy, on_gpu)  # type: ignore[arg-type]
+    assert {"kv_connector": plan.connector, "kv_role": plan.role, "kv_buffer_device": plan.buffer_device} == expected
 
 
 @pytest.mark.parametrize("policy", ["colocated", "round_robin"])

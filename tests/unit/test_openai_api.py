@@ -602,3 +602,9 @@ def test_finished_requests_are_not_reported_as_closed(api: Api) -> None:
     api.chat(stream=True)
     api.chat()
     assert all(outcome == "finished" for outcome in api.backend.outcomes.values())
+
+
+def test_turn_labels_are_a_bounded_set() -> None:
+    from deployments.metrics import turn_label
+
+    assert [turn_label(i) for i in (None, 0, 4, 5, 99)] == ["none", "0", "4", "5+", "5+"]

@@ -58,7 +58,7 @@ def test_bad_line_names_line_and_field(tmp_path, bad, field):
     with pytest.raises(TraceError) as info:
         load_trace(path)
     assert info.value.line_no == 3
-    assert f"bad.jsonl:3:" in str(info.value)
+    assert "bad.jsonl:3:" in str(info.value)
     assert f"'{field}'" in str(info.value)
 
 
