@@ -17,9 +17,11 @@ SERVE_PID=""
 cleanup() {
   echo "[demo] stopping"
   if [ -n "$SERVE_PID" ] && kill -0 "$SERVE_PID" 2>/dev/null; then
+    serve shutdown -y >/dev/null 2>&1 || true      # delete the application gracefully
     kill -INT "$SERVE_PID" 2>/dev/null || true
     for _ in $(seq 1 30); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 1; done
     kill -KILL "$SERVE_PID" 2>/dev/null || true
+    wait "$SERVE_PID" 2>/dev/null || true
   fi
   ray stop --force >/dev/null 2>&1 || true
 }
