@@ -4,8 +4,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import replace
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from ray import serve
@@ -56,10 +56,6 @@ class EngineReplica:
 
     async def engine_stats(self) -> EngineStats:
         return self._runner.stats
-
-    async def transfers(self) -> dict[str, Any]:
-        """KV transfers this replica's connector performed (counted by the connector itself)."""
-        return {"replica": self._replica_id, "pool": self._pool, **transfer_stats()}
 
     async def describe(self) -> dict[str, Any]:
         return {"pool": self._pool, "pid": os.getpid(), "start_seconds": self.start_seconds, "rss_bytes": _rss_bytes()}
