@@ -95,27 +95,23 @@ def build_openai_app(frontend: OpenAIFrontend, health: HealthCheck, stats: Healt
     async def models() -> dict[str, Any]:
         return frontend.models()
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Any:
+    async def serve_one(request: Request, endpoint: str, model: type[BaseModel], prepare: Callable[[Any, str | None], Any]) -> Any:
         try:
-            body = await _parse(request, ChatCompletionRequest)
+            body = await _parse(request, model)
             sid = session_id_of(request, body.session_id)
-            prepared = frontend.prepare_chat(body, sid)
+            prepared = prepare(body, sid)
         except APIError as e:
-            frontend.record_rejected("chat", e.status)
+            frontend.record_rejected(endpoint, e.status)
             raise
         return await _respond(frontend, prepared, sid, ingress_id)
 
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        return await serve_one(request, "chat", ChatCompletionRequest, frontend.prepare_chat)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        try:
-            body = await _parse(request, CompletionRequest)
-            sid = session_id_of(request, body.session_id)
-            prepared = frontend.prepare_completion(body, sid)
-        except APIError as e:
-            frontend.record_rejected("completions", e.status)
-            raise
-        return await _respond(frontend, prepared, sid, ingress_id)
+        return await serve_one(request, "completions", CompletionRequest, frontend.prepare_completion)
 
     return app
 

@@ -157,3 +157,4 @@ def test_engine_failure_is_a_503_or_in_stream_error_then_recovers(baton_url: str
         r = httpx.post(f"{baton_url}/v1/chat/completions", json=body, headers=headers, timeout=120)
     assert r.status_code == 200, r.text
     assert r.headers["x-baton-replica"] != victim
+    assert r.json()["usage"]["prompt_tokens"] > 256, "the new decoder got the whole context (system prompt and all)"
