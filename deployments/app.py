@@ -110,6 +110,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         max_model_len=min(p.engine.max_model_len for p in (cfg.decode, cfg.prefill) if p is not None),
         default_max_tokens=cfg.ingress.default_max_tokens,
         disaggregated=r.disaggregated,
+        api_keys_env=cfg.ingress.api_keys_env,
     )
     return Ingress.options(
         num_replicas=cfg.ingress.num_replicas,

@@ -80,7 +80,12 @@ class IngressConfig(_Strict):
     served_model_name: str | None = Field(None, description="the id clients send as `model`; default: model folder name")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when the client sends none")
     max_ongoing_requests: int = Field(256, ge=1)
-    request_timeout_s: float = Field(600.0, gt=0)
+    api_keys_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="name of an environment variable (set where Ray runs) holding comma-separated API keys; when set, "
+        "/v1/* and /baton/* need 'Authorization: Bearer <key>'. Keys never go in the YAML.",
+    )
 
 
 class RoutingConfig(_Strict):

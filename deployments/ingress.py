@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +12,7 @@ from deployments.backend import PoolBackend
 from deployments.chat import PromptRenderer
 from deployments.frontend import OpenAIFrontend
 from deployments.metrics import ServeIngressMetrics
-from deployments.openai_api import build_openai_app
+from deployments.openai_api import api_keys_from_env, build_openai_app
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class IngressSettings:
     max_model_len: int
     default_max_tokens: int
     disaggregated: bool  # the policy prefills on the prefill pool
+    api_keys_env: str | None = None  # environment variable with the API keys (None: no auth)
 
 
 @serve.deployment(name="ingress")
@@ -29,6 +31,7 @@ class Ingress:
     def __init__(self, decode: Any, prefill: Any, directory: Any, settings: IngressSettings):
         self._directory = directory
         self._settings = settings
+        self._api_keys = api_keys_from_env(settings.api_keys_env, os.environ)
         self._frontend = OpenAIFrontend(
             model_id=settings.model_id,
             renderer=PromptRenderer.from_path(settings.model_path),
@@ -43,7 +46,7 @@ class Ingress:
             ingress_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside Serve
             ingress_id = None
-        return build_openai_app(self._frontend, self._health, self._stats, ingress_id)
+        return build_openai_app(self._frontend, self._health, self._stats, ingress_id, self._api_keys)
 
     async def _stats(self) -> dict[str, Any]:
         return await asyncio.wait_for(self._directory.snapshot.remote(), timeout=5.0)

@@ -1,10 +1,11 @@
 """HTTP surface: the FastAPI app (routes, error handlers, session ids) over an OpenAIFrontend."""
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -55,8 +56,41 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
         raise bad_request(f"{where}: {err['msg']}{more}", param=where or None, code="invalid_value") from None
 
 
-def build_openai_app(frontend: OpenAIFrontend, health: HealthCheck, stats: HealthCheck | None = None, ingress_id: str | None = None) -> FastAPI:
+def api_keys_from_env(name: str | None, environ: Mapping[str, str]) -> frozenset[str]:
+    """The configured API keys (comma-separated in the named variable); empty when auth is off.
+    A named but missing or empty variable is a configuration error, not an open server."""
+    if name is None:
+        return frozenset()
+    keys = frozenset(k.strip() for k in environ.get(name, "").split(",") if k.strip())
+    if not keys:
+        raise ValueError(f"ingress.api_keys_env names {name!r}, but that environment variable holds no keys")
+    return keys
+
+
+def authorized(header: str | None, keys: frozenset[str]) -> bool:
+    if not header or not header.startswith("Bearer "):
+        return False
+    given = header[len("Bearer ") :].strip().encode()
+    return any(hmac.compare_digest(given, k.encode()) for k in keys)
+
+
+def build_openai_app(
+    frontend: OpenAIFrontend,
+    health: HealthCheck,
+    stats: HealthCheck | None = None,
+    ingress_id: str | None = None,
+    api_keys: frozenset[str] = frozenset(),
+) -> FastAPI:
     app = FastAPI(title="Baton", description="OpenAI-compatible conversation serving on Ray Serve", version="0.1.0")
+
+    if api_keys:
+
+        @app.middleware("http")
+        async def _require_api_key(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
+            protected = request.url.path.startswith(("/v1/", "/baton/"))
+            if protected and not authorized(request.headers.get("authorization"), api_keys):
+                return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key").response()
+            return await call_next(request)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
