@@ -266,7 +266,7 @@ def test_defaults_are_sane_for_a_cpu_machine() -> None:
     assert 0 < r.pin_weight < 1 and r.prefill_token_weight == pytest.approx(1 / 8192)
     assert r.conversation_ttl_s > 0 and r.replica_stale_after_s > cfg.decode.routing_stats_period_s  # several reports may be lost
     assert cfg.ingress.num_replicas == 1 and cfg.ingress.served_model_name is None
-    assert 1 <= cfg.ingress.default_max_tokens < cfg.decode.engine.max_model_len
+    assert cfg.ingress.default_max_tokens >= 1 and cfg.ingress.default_max_tokens < cfg.decode.engine.max_model_len
     assert cfg.prefill is not None
     for pool in (cfg.prefill, cfg.decode):
         assert pool.num_replicas == 1 and pool.autoscaling is None
