@@ -17,6 +17,7 @@ from deployments.config import AppConfig, ConfigError, PoolConfig, load_app_conf
 from deployments.ingress import Ingress, IngressSettings
 from deployments.pool import EngineReplicaDeployment
 from engine.args import EngineSpec, build_engine_spec, resolve_model_path
+from memory_store.deployment import MemoryStoreDeployment
 from router.directory import ConversationDirectoryDeployment
 from router.directory_state import DirectorySettings
 from router.policy import PlacementWeights
@@ -87,7 +88,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
 
     def spec(role: str, pool: PoolConfig) -> EngineSpec:
         on_gpu = pool.resources.num_gpus > 0
-        return build_engine_spec(pool.engine, role=role, policy=cfg.routing.policy, model_path=model_path, on_gpu=on_gpu, cache_root=cache_root)  # type: ignore[arg-type]
+        return build_engine_spec(pool.engine, role=role, policy=cfg.routing.policy, model_path=model_path, on_gpu=on_gpu,  # type: ignore[arg-type]
+                                 cache_root=cache_root, segments=cfg.memory is not None)
 
     r = cfg.routing
     directory = ConversationDirectoryDeployment.bind(
@@ -98,12 +100,22 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
             weights=PlacementWeights(pin_weight=r.pin_weight, queue_weight=r.queue_weight),
         )
     )
+    store = None
+    seg_bytes = 0
+    if cfg.memory is not None:
+        db_path = str(cfg.memory.resolved_db_path(PROJECT_ROOT))
+        store = MemoryStoreDeployment.options(
+            ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}}}
+        ).bind(cfg.memory, db_path)
+        seg_bytes = cfg.memory.replica_cache_bytes
     decode_spec = spec("decode", cfg.decode)
-    decode = EngineReplicaDeployment.options(**pool_options("decode", cfg.decode, decode_spec, cfg)).bind("decode", decode_spec, directory)
+    decode = EngineReplicaDeployment.options(**pool_options("decode", cfg.decode, decode_spec, cfg)).bind(
+        "decode", decode_spec, directory, store, seg_bytes)
     prefill = None
     if r.disaggregated and cfg.prefill is not None:
         prefill_spec = spec("prefill", cfg.prefill)
-        prefill = EngineReplicaDeployment.options(**pool_options("prefill", cfg.prefill, prefill_spec, cfg)).bind("prefill", prefill_spec, directory)
+        prefill = EngineReplicaDeployment.options(**pool_options("prefill", cfg.prefill, prefill_spec, cfg)).bind(
+            "prefill", prefill_spec, directory, store, seg_bytes)
     settings = IngressSettings(
         model_id=cfg.ingress.served_model_name or os.path.basename(model_path.rstrip("/")),
         model_path=model_path,
@@ -111,9 +123,10 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         default_max_tokens=cfg.ingress.default_max_tokens,
         disaggregated=r.disaggregated,
         api_keys_env=cfg.ingress.api_keys_env,
+        memory=cfg.memory,
     )
     return Ingress.options(
         num_replicas=cfg.ingress.num_replicas,
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.ingress.num_cpus, "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}}},
-    ).bind(decode, prefill, directory, settings)
+    ).bind(decode, prefill, directory, settings, store)

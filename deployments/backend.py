@@ -55,7 +55,10 @@ class PoolBackend:
         for attempt in (1, 2):
             target, remote_prefill, turn_index = await self._plan(request)
             kv_params = await self._remote_prefill(request) if remote_prefill else None
-            decode_req = replace(request, target_replica=target, kv_transfer_params=kv_params)
+            # the prefill engine injected the memories and its KV arrives over NIXL: the decoder
+            # has nothing left to inject (the cache salt stays, so later turns hit that KV)
+            memory = None if kv_params else request.memory
+            decode_req = replace(request, target_replica=target, kv_transfer_params=kv_params, memory=memory)
             gen = self._decode.options(stream=True).generate.remote(decode_req)
             yielded = done = False
             try:
@@ -107,6 +110,8 @@ class PoolBackend:
             session_id=request.session_id,
             user=request.user,
             kv_transfer_params={"do_remote_decode": True},
+            memory=request.memory,
+            cache_salt=request.cache_salt,
         )
         params = None
         done = False

@@ -29,9 +29,11 @@ class PromptRenderer:
         return self._tok.eos_token_id
 
     def chat_tokens(self, messages: list[ChatMessage]) -> list[int]:
-        rendered = [_as_template_message(m) for m in messages]
-        text = self._tok.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
-        return self.text_tokens(text)
+        return self.text_tokens(self.chat_text(template_messages(messages)))
+
+    def chat_text(self, messages: list[dict[str, Any]]) -> str:
+        """The chat template applied to template messages (role, content), with the generation prompt."""
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def text_tokens(self, text: str) -> list[int]:
         return list(self._tok(text, add_special_tokens=False)["input_ids"])
@@ -41,6 +43,10 @@ class PromptRenderer:
         bad = next((i for i in ids if i < 0 or i >= size), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {size})", param="prompt")
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    return [_as_template_message(m) for m in messages]
 
 
 def _as_template_message(m: ChatMessage) -> dict[str, Any]:

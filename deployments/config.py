@@ -9,6 +9,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from memory_store.config import MemoryConfig
+
+from engine.checkpoints.config import CheckpointConfig
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -61,6 +65,9 @@ class EngineConfig(_Strict):
     cpu_threads: int = Field(1, ge=1, description="torch/OMP threads of an in-process CPU engine")
     cpu_threads_bind: str = Field("nobind", description="VLLM_CPU_OMP_THREADS_BIND: 'nobind', 'auto' or core ids")
     extra_engine_args: dict[str, Any] = Field(default_factory=dict, description="passed to EngineArgs unchanged")
+    checkpoints: CheckpointConfig | None = Field(
+        None, description="hybrid models only: recurrent-state checkpoints at planned positions (engine/checkpoints/)"
+    )
 
 
 class PoolConfig(_Strict):
@@ -116,6 +123,7 @@ class AppConfig(_Strict):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     prefill: PoolConfig | None = Field(None, description="prefill-heavy pool (KV producers); none (or 0 replicas) for colocated/round_robin")
     decode: PoolConfig = Field(..., description="decode pool (KV consumers; the unified pool when not disaggregated)")
+    memory: MemoryConfig | None = Field(None, description="per-user memory facts (InferScale); none: /v1/memories is off")
 
     @model_validator(mode="after")
     def _consistent(self) -> "AppConfig":

@@ -10,7 +10,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from deployments.chat import PromptRenderer
@@ -26,6 +26,7 @@ from deployments.protocol import (
     usage,
 )
 from engine.types import EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
+from memory_store.layout import MemoryPrompt
 
 logger = logging.getLogger("baton.api")
 
@@ -85,10 +86,16 @@ class OpenAIFrontend:
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "owned_by": "baton", "max_model_len": self._max_model_len}]}
 
     # ---- validation ------------------------------------------------------------------------
-    def prepare_chat(self, body: ChatCompletionRequest, session_id: str | None) -> Prepared:
-        self._check_common(body)
-        ids = self._renderer.chat_tokens(body.messages)
-        return self._prepared("chat", body, ids, body.requested_max_tokens(), session_id)
+    def prepare_chat(self, body: ChatCompletionRequest, session_id: str | None, memory: MemoryPrompt | None = None) -> Prepared:
+        """memory: the prompt with the user's recalled facts (deployments/memory_api.py), whose
+        token ids replace the plain rendering; in KV mode it carries what the engine injects."""
+        self._check_common(body, with_memory=memory is not None)
+        ids = list(memory.token_ids) if memory is not None else self._renderer.chat_tokens(body.messages)
+        p = self._prepared("chat", body, ids, body.requested_max_tokens(), session_id)
+        if memory is None or memory.injection is None:
+            return p
+        req = replace(p.request, memory=memory.injection, cache_salt=memory.cache_salt, user=memory.injection.user)
+        return replace(p, request=req)
 
     def prepare_completion(self, body: CompletionRequest, session_id: str | None) -> Prepared:
         self._check_common(body)
@@ -103,11 +110,12 @@ class OpenAIFrontend:
             raise bad_request("prompt encodes to zero tokens", param="prompt")
         return self._prepared("completions", body, ids, body.requested_max_tokens(), session_id)
 
-    def _check_common(self, body: ChatCompletionRequest | CompletionRequest) -> None:
+    def _check_common(self, body: ChatCompletionRequest | CompletionRequest, with_memory: bool = False) -> None:
         if body.model is not None and body.model != self.model_id:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model_id!r}", param="model", code="model_not_found")
-        if body.memories is not None:
-            raise bad_request("memories are not enabled on this deployment (no memory store configured)", param="memories", code="memories_unavailable")
+        if body.memories is not None and not with_memory:
+            raise bad_request("memories are served on /v1/chat/completions of a deployment with a memory store (config `memory`)",
+                              param="memories", code="memories_unavailable")
 
     def _prepared(self, endpoint: str, body: Any, ids: list[int], requested: int | None, session_id: str | None) -> Prepared:
         n = len(ids)

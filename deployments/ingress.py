@@ -8,9 +8,12 @@ from typing import Any
 
 from ray import serve
 
+from memory_store.config import MemoryConfig
+
 from deployments.backend import PoolBackend
 from deployments.chat import PromptRenderer
 from deployments.frontend import OpenAIFrontend
+from deployments.memory_api import MemoryFrontend
 from deployments.metrics import ServeIngressMetrics
 from deployments.openai_api import api_keys_from_env, build_openai_app
 
@@ -23,18 +26,23 @@ class IngressSettings:
     default_max_tokens: int
     disaggregated: bool  # the policy prefills on the prefill pool
     api_keys_env: str | None = None  # environment variable with the API keys (None: no auth)
+    memory: MemoryConfig | None = None  # the memory store's settings (None: no memories)
 
 
 @serve.deployment(name="ingress")
 @serve.ingress()
 class Ingress:
-    def __init__(self, decode: Any, prefill: Any, directory: Any, settings: IngressSettings):
+    def __init__(self, decode: Any, prefill: Any, directory: Any, settings: IngressSettings, memory_store: Any = None):
         self._directory = directory
         self._settings = settings
         self._api_keys = api_keys_from_env(settings.api_keys_env, os.environ)
+        renderer = PromptRenderer.from_path(settings.model_path)
+        self._memory = None
+        if settings.memory is not None and memory_store is not None:
+            self._memory = MemoryFrontend(settings.memory, memory_store, renderer, settings.model_id, encoder=decode)
         self._frontend = OpenAIFrontend(
             model_id=settings.model_id,
-            renderer=PromptRenderer.from_path(settings.model_path),
+            renderer=renderer,
             backend=PoolBackend(decode, prefill if settings.disaggregated else None, directory),
             max_model_len=settings.max_model_len,
             default_max_tokens=settings.default_max_tokens,
@@ -46,7 +54,7 @@ class Ingress:
             ingress_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside Serve
             ingress_id = None
-        return build_openai_app(self._frontend, self._health, self._stats, ingress_id, self._api_keys)
+        return build_openai_app(self._frontend, self._health, self._stats, ingress_id, self._api_keys, self._memory)
 
     async def _stats(self) -> dict[str, Any]:
         return await asyncio.wait_for(self._directory.snapshot.remote(), timeout=5.0)

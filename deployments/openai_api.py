@@ -16,13 +16,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.errors import APIError, bad_request
 from deployments.frontend import OpenAIFrontend
-from deployments.protocol import SESSION_ID_MAX, ChatCompletionRequest, CompletionRequest
+from deployments.memory_api import USER_HEADER, MemoryFrontend, resolve_user
+from deployments.protocol import SESSION_ID_MAX, AddMemoriesRequest, ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger("baton.api")
 
 SESSION_HEADER = "x-session-id"
 REPLICA_HEADER = "x-baton-replica"  # which engine replica served the request (debugging, tests)
 INGRESS_HEADER = "x-baton-ingress"  # which ingress replica answered
+_FACT_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 _SESSION_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,%d}$" % SESSION_ID_MAX)
 
 HealthCheck = Callable[[], Awaitable[dict[str, Any]]]
@@ -56,22 +58,33 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
         raise bad_request(f"{where}: {err['msg']}{more}", param=where or None, code="invalid_value") from None
 
 
-def api_keys_from_env(name: str | None, environ: Mapping[str, str]) -> frozenset[str]:
-    """The configured API keys (comma-separated in the named variable); empty when auth is off.
+def api_keys_from_env(name: str | None, environ: Mapping[str, str]) -> dict[str, str | None]:
+    """The configured API keys, comma-separated in the named variable: `key` (any user) or
+    `key=user` (the key acts as that user: its memories, nobody else's). Empty when auth is off.
     A named but missing or empty variable is a configuration error, not an open server."""
     if name is None:
-        return frozenset()
-    keys = frozenset(k.strip() for k in environ.get(name, "").split(",") if k.strip())
+        return {}
+    keys: dict[str, str | None] = {}
+    for entry in (e.strip() for e in environ.get(name, "").split(",")):
+        if entry:
+            key, _, user = entry.partition("=")
+            keys[key.strip()] = user.strip() or None
     if not keys:
         raise ValueError(f"ingress.api_keys_env names {name!r}, but that environment variable holds no keys")
     return keys
 
 
-def authorized(header: str | None, keys: frozenset[str]) -> bool:
+def authenticate(header: str | None, keys: Mapping[str, str | None]) -> tuple[bool, str | None]:
+    """(authorized, the key's bound user or None). Constant-time comparison against every key."""
     if not header or not header.startswith("Bearer "):
-        return False
+        return False, None
     given = header[len("Bearer ") :].strip().encode()
-    return any(hmac.compare_digest(given, k.encode()) for k in keys)
+    match = [k for k in keys if hmac.compare_digest(given, k.encode())]
+    return (True, keys[match[0]]) if match else (False, None)
+
+
+def authorized(header: str | None, keys: Mapping[str, str | None]) -> bool:
+    return authenticate(header, keys)[0]
 
 
 def build_openai_app(
@@ -79,7 +92,8 @@ def build_openai_app(
     health: HealthCheck,
     stats: HealthCheck | None = None,
     ingress_id: str | None = None,
-    api_keys: frozenset[str] = frozenset(),
+    api_keys: Mapping[str, str | None] | None = None,
+    memory: MemoryFrontend | None = None,
 ) -> FastAPI:
     app = FastAPI(title="Baton", description="OpenAI-compatible conversation serving on Ray Serve", version="0.1.0")
 
@@ -88,8 +102,10 @@ def build_openai_app(
         @app.middleware("http")
         async def _require_api_key(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
             protected = request.url.path.startswith(("/v1/", "/baton/"))
-            if protected and not authorized(request.headers.get("authorization"), api_keys):
+            ok, user = authenticate(request.headers.get("authorization"), api_keys)
+            if protected and not ok:
                 return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key").response()
+            request.state.bound_user = user
             return await call_next(request)
 
     @app.exception_handler(APIError)
@@ -133,21 +149,74 @@ def build_openai_app(
         try:
             body = await _parse(request, model)
             sid = session_id_of(request, body.session_id)
-            prepared = prepare(body, sid)
+            prepared = await prepare(body, sid, request) if endpoint == "chat" else prepare(body, sid)
         except APIError as e:
             frontend.record_rejected(endpoint, e.status)
             raise
         return await _respond(frontend, prepared, sid, ingress_id)
 
+    async def prepare_chat(body: ChatCompletionRequest, sid: str | None, request: Request) -> Any:
+        if body.memories is None or memory is None:
+            return frontend.prepare_chat(body, sid)
+        user = resolve_user(_bound_user(request), body.user or request.headers.get(USER_HEADER), required=True)
+        assert user is not None
+        return frontend.prepare_chat(body, sid, await memory.chat_prompt(body, user))
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        return await serve_one(request, "chat", ChatCompletionRequest, frontend.prepare_chat)
+        return await serve_one(request, "chat", ChatCompletionRequest, prepare_chat)
+
+    if memory is not None:
+        _memory_routes(app, memory)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         return await serve_one(request, "completions", CompletionRequest, frontend.prepare_completion)
 
     return app
+
+
+def _bound_user(request: Request) -> str | None:
+    return getattr(request.state, "bound_user", None)
+
+
+def _memory_user(request: Request, claimed: str | None = None) -> str:
+    user = resolve_user(_bound_user(request), claimed or request.headers.get(USER_HEADER) or request.query_params.get("user"), required=True)
+    assert user is not None
+    return user
+
+
+def _memory_routes(app: FastAPI, memory: MemoryFrontend) -> None:
+    """/v1/memories: add (facts or a conversation), list, get, delete one, delete all — all scoped
+    to the request's user (resolve_user)."""
+
+    @app.post("/v1/memories")
+    async def add_memories(request: Request) -> Any:
+        body = await _parse(request, AddMemoriesRequest)
+        sid = session_id_of(request, None)
+        return await memory.add(_memory_user(request, body.user), body, sid)
+
+    @app.get("/v1/memories")
+    async def list_memories(request: Request, limit: int = 100, offset: int = 0) -> Any:
+        return await memory.list(_memory_user(request), limit, offset)
+
+    @app.get("/v1/memories/{fact_id}")
+    async def get_memory(request: Request, fact_id: str) -> Any:
+        return await memory.get(_memory_user(request), _fact_id(fact_id))
+
+    @app.delete("/v1/memories/{fact_id}")
+    async def delete_memory(request: Request, fact_id: str) -> Any:
+        return await memory.delete(_memory_user(request), _fact_id(fact_id))
+
+    @app.delete("/v1/memories")
+    async def delete_memories(request: Request) -> Any:
+        return await memory.delete_all(_memory_user(request))
+
+
+def _fact_id(fact_id: str) -> str:
+    if not _FACT_ID_RE.match(fact_id):
+        raise bad_request("a memory id is 32 lowercase hex characters", param="id", code="invalid_memory_id")
+    return fact_id
 
 
 async def _respond(frontend: OpenAIFrontend, prepared: Any, sid: str | None, ingress_id: str | None) -> Any:

@@ -21,13 +21,21 @@ logger = logging.getLogger("ray.serve")
 class EngineReplica:
     """Serve replica owning one EngineRunner. Streams GenerationDelta objects to its callers."""
 
-    def __init__(self, pool: str, spec: EngineSpec, directory: Any = None):
+    def __init__(self, pool: str, spec: EngineSpec, directory: Any = None, memory_store: Any = None,
+                 memory_cache_bytes: int = 0):
         self._pool = pool
         self._replica_id = _own_replica_id()
         self._directory = directory
         t0 = time.monotonic()
         self._runner = EngineRunner(engine_spec_for_this_replica(spec))
         self.start_seconds = time.monotonic() - t0
+        self._resolver = None
+        if memory_cache_bytes > 0:
+            from memory_store.resolver import SegmentResolver
+
+            self._resolver = SegmentResolver(self._runner, memory_store, memory_cache_bytes)
+        self._memory_counter = metrics.Counter(
+            "baton_memory_requests", "requests carrying memory KV, by outcome (injected | recomputed)", tag_keys=("outcome",))
         # Serve adds deployment (= pool) and replica tags to every metric
         self._kv_gauge = metrics.Gauge("baton_engine_kv_usage", "fraction of the KV pool in use")
         self._running_gauge = metrics.Gauge("baton_engine_running_requests", "requests the engine is running")
@@ -35,12 +43,37 @@ class EngineReplica:
         logger.info("pool %s: engine up in %.1fs (pid %d)", pool, self.start_seconds, os.getpid())
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        injection = await self._memory_segments(request)
         first = True
-        async for delta in self._runner.generate(request):
+        async for delta in self._runner.generate(request, injection=injection):
             if first:
                 delta = replace(delta, replica=self._replica_id)
                 first = False
             yield delta
+
+    async def _memory_segments(self, request: GenerationRequest) -> tuple[Any, ...] | None:
+        """KV segments for the request's memory facts, or None to compute them from the prompt."""
+        if request.memory is None:
+            return None
+        if self._resolver is None:
+            self._memory_counter.inc(tags={"outcome": "recomputed"})
+            return None
+        try:
+            segs = await self._resolver.resolve(request.prompt_token_ids, request.memory)
+        except Exception as e:  # noqa: BLE001 - a cache failure: the engine recomputes the facts
+            logger.warning("memory KV for %s unavailable (%s: %s); recomputing", request.request_id, type(e).__name__, e)
+            self._memory_counter.inc(tags={"outcome": "recomputed"})
+            return None
+        self._memory_counter.inc(tags={"outcome": "injected"})
+        return segs
+
+    async def encode_memories(self, prompt_token_ids: tuple[int, ...], memory: Any) -> int:
+        """Precompute the KV of `memory`'s facts (and anchor) that no cache holds; returns how many
+        segments were encoded. Called by the ingress after facts are added."""
+        if self._resolver is None:
+            return 0
+        segs = await self._resolver.resolve(prompt_token_ids, memory)
+        return len(segs)
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Called by Serve every routing_stats_period_s; also pushes the same figures to the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SESSION_ID_MAX = 128
 
@@ -49,6 +49,36 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class MemoriesOption(_Body):
+    """Which memories a request recalls: the top `k` for its last user message, or exactly `ids`."""
+
+    k: int | None = Field(None, ge=1, description="how many facts to recall (default: the store's default_k)")
+    ids: list[str] | None = Field(None, min_length=1, max_length=256, description="recall exactly these facts")
+    mode: Literal["kv", "prompt"] | None = Field(None, description="kv: inject encoded KV; prompt: compute the facts' text")
+    window: int | None = Field(None, ge=0, le=64, description="context window w used to encode each fact's KV")
+
+    @model_validator(mode="after")
+    def _one_way(self) -> "MemoriesOption":
+        if self.k is not None and self.ids is not None:
+            raise ValueError("give either k or ids, not both")
+        return self
+
+
+class AddMemoriesRequest(_Body):
+    """POST /v1/memories: facts as texts, or a conversation whose turns become facts."""
+
+    user: str | None = Field(None, max_length=128)
+    facts: list[str] | None = Field(None, min_length=1, max_length=256)
+    messages: list["ChatMessage"] | None = Field(None, min_length=1, max_length=256)
+    source: str | None = Field(None, min_length=1, max_length=128, description="where the facts come from (default: api, or the session id)")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "AddMemoriesRequest":
+        if (self.facts is None) == (self.messages is None):
+            raise ValueError("give exactly one of facts or messages")
+        return self
+
+
 class _Sampling(_Body):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -65,7 +95,7 @@ class _Sampling(_Body):
     user: str | None = Field(None, max_length=256)
     session_id: str | None = Field(None, min_length=1, max_length=SESSION_ID_MAX, description="conversation id for clients that cannot send x-session-id")
     ignore_eos: bool = False
-    memories: dict[str, Any] | None = Field(None, description="memory references (needs the memory store)")
+    memories: "MemoriesOption | None" = Field(None, description="recall the user's memory facts into the prompt (needs the memory store)")
 
     @field_validator("stop")
     @classmethod

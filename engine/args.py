@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments.config import EngineConfig
+from engine.checkpoints.config import CheckpointConfig
 from kv_transfer.config import PoolRole, RoutingPolicy, kv_transfer_engine_arg
 
 GIB = 1 << 30
@@ -31,6 +32,16 @@ def resolve_model_path(model: str, model_cache: str) -> str:
     )
 
 
+def checkpoint_engine_args(cfg: CheckpointConfig) -> dict[str, Any]:
+    """EngineArgs for sparse checkpoints: the scheduler subclass, its config, and dense state
+    allocation (retention None) so that the plan, not vLLM's interval, decides what is kept."""
+    return {
+        "scheduler_cls": "engine.checkpoints.scheduler.CheckpointScheduler",
+        "additional_config": {"baton_checkpoints": cfg.model_dump()},
+        "prefix_cache_retention_interval": None,
+    }
+
+
 def build_engine_spec(
     cfg: EngineConfig,
     *,
@@ -39,6 +50,7 @@ def build_engine_spec(
     model_path: str,
     on_gpu: bool,
     cache_root: str,
+    segments: bool = False,
 ) -> EngineSpec:
     """Pure: EngineArgs kwargs and environment for one engine of a pool."""
     kwargs: dict[str, Any] = {
@@ -59,7 +71,9 @@ def build_engine_spec(
         kwargs["block_size"] = cfg.block_size
     if cfg.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-    kv_transfer = kv_transfer_engine_arg(role, policy, on_gpu)
+    if cfg.checkpoints is not None:  # sparse recurrent checkpoints: Baton's scheduler decides every kept state
+        kwargs.update(checkpoint_engine_args(cfg.checkpoints))
+    kv_transfer = kv_transfer_engine_arg(role, policy, on_gpu, segments=segments)
     if kv_transfer is not None:
         kwargs["kv_transfer_config"] = kv_transfer
     clash = set(kwargs) & set(cfg.extra_engine_args)

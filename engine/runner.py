@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.args import EngineSpec
 from engine.types import (
@@ -26,7 +26,11 @@ from engine.types import (
     EngineUnavailable,
     GenerationDelta,
     GenerationRequest,
+    SamplingSpec,
 )
+
+if TYPE_CHECKING:
+    from kv_transfer.segments import KVSegment
 
 logger = logging.getLogger("baton.engine")
 
@@ -42,6 +46,7 @@ class _Stream:
 @dataclass(frozen=True)
 class _Add:
     request: GenerationRequest
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -104,8 +109,53 @@ class EngineRunner:
     def stats(self) -> EngineStats:
         return self._stats
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationDelta]:
-        """Yield deltas until the request finishes. Cancelling the consumer aborts the request."""
+    async def generate(
+        self, req: GenerationRequest, injection: tuple["KVSegment", ...] | None = None, capture: tuple[tuple[int, int], ...] = ()
+    ) -> AsyncIterator[GenerationDelta]:
+        """Yield deltas until the request finishes. Cancelling the consumer aborts the request.
+
+        injection: KV segments laid from position 0 (kv_transfer/segments.py) that the segment
+        connector loads instead of computing those prompt tokens. capture: prompt ranges whose
+        KV the connector saves (collect them with `take_capture(req.request_id)`)."""
+        kv_params = req.kv_transfer_params
+        if injection or capture:
+            from kv_transfer.segment_connector import PARAMS_KEY
+            from kv_transfer.segments import process_segments
+
+            seg: dict[str, Any] = {"key": req.request_id}
+            if injection:
+                seg["inject_end"] = process_segments().offer(req.request_id, injection).end
+            if capture:
+                seg["capture"] = [list(r) for r in capture]
+            kv_params = {**(kv_params or {}), PARAMS_KEY: seg}
+        try:
+            async for delta in self._generate(req, kv_params):
+                yield delta
+        finally:
+            if injection and not capture:  # a capture's key is discarded by capture() after the take
+                from kv_transfer.segments import process_segments
+
+                process_segments().discard(req.request_id)
+
+    async def capture(self, request_id: str, prompt_token_ids: tuple[int, ...], ranges: tuple[tuple[int, int], ...],
+                      cache_salt: str | None = None) -> tuple["KVSegment", ...]:
+        """Compute `prompt_token_ids` once (one output token) and return the KV of `ranges`,
+        keys position-free. Raises EngineRequestError when the connector could not capture."""
+        from kv_transfer.segments import process_segments
+
+        req = GenerationRequest(request_id=request_id, prompt_token_ids=tuple(prompt_token_ids),
+                                sampling=SamplingSpec(max_tokens=1, temperature=0.0), cache_salt=cache_salt)
+        try:
+            async for _ in self.generate(req, capture=ranges):
+                pass
+            result = process_segments().take_capture(request_id)
+        finally:
+            process_segments().discard(request_id)
+        if result is None or result.error:
+            raise EngineRequestError(f"KV capture failed: {result.error if result else 'the connector saw no capture'}")
+        return result.segments
+
+    async def _generate(self, req: GenerationRequest, kv_params: dict[str, Any] | None) -> AsyncIterator[GenerationDelta]:
         if not self._stats.healthy:
             raise EngineUnavailable(self._stats.reason or "engine is not healthy")
         stream = _Stream(loop=asyncio.get_running_loop(), out=asyncio.Queue())
@@ -113,7 +163,7 @@ class EngineRunner:
             if req.request_id in self._streams:
                 raise EngineRequestError(f"duplicate request id {req.request_id!r}")
             self._streams[req.request_id] = stream
-        self._commands.put(_Add(req))
+        self._commands.put(_Add(req, kv_params))
         finished = False
         try:
             while True:
@@ -190,7 +240,7 @@ class EngineRunner:
                 self._fail_all(EngineUnavailable("engine shut down"))
                 return False
             if isinstance(cmd, _Add):
-                self._add(engine, cmd.request)
+                self._add(engine, cmd.request, cmd.kv_transfer_params)
             elif isinstance(cmd, _Abort):
                 self._abort(engine, cmd.request_id)
             try:
@@ -198,13 +248,12 @@ class EngineRunner:
             except queue.Empty:
                 return True
 
-    def _add(self, engine: Any, req: GenerationRequest) -> None:
+    def _add(self, engine: Any, req: GenerationRequest, kv_params: dict[str, Any] | None) -> None:
+        prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
+        if req.cache_salt:
+            prompt["cache_salt"] = req.cache_salt
         try:
-            engine.add_request(
-                req.request_id,
-                {"prompt_token_ids": list(req.prompt_token_ids)},
-                _sampling_params(req, req.kv_transfer_params),
-            )
+            engine.add_request(req.request_id, prompt, _sampling_params(req, kv_params))
         except Exception as e:  # noqa: BLE001 - vLLM rejects one request; the engine lives on
             self._finish_stream(req.request_id, EngineRequestError(str(e)))
 

@@ -34,12 +34,34 @@ def kv_transfer_plan(role: PoolRole, policy: RoutingPolicy, on_gpu: bool) -> KVT
     return KVTransferPlan(connector="NixlConnector", role=kv_role, buffer_device=device)
 
 
-def kv_transfer_engine_arg(role: PoolRole, policy: RoutingPolicy, on_gpu: bool) -> dict[str, Any] | None:
-    """The `kv_transfer_config` engine argument: vLLM's NIXL connector wrapped by Baton's counting
-    subclass (kv_transfer/nixl.py), so every transfer is counted by the connector itself."""
-    plan = kv_transfer_plan(role, policy, on_gpu)
-    if plan.connector is None:
-        return None
-    from kv_transfer.nixl import nixl_kv_transfer_config
+SEGMENT_CONNECTOR = {
+    "kv_connector": "SegmentConnector",
+    "kv_connector_module_path": "kv_transfer.segment_connector",
+    "kv_role": "kv_both",
+}
 
-    return nixl_kv_transfer_config(plan.role or "kv_both", plan.buffer_device)
+
+def kv_transfer_engine_arg(role: PoolRole, policy: RoutingPolicy, on_gpu: bool, segments: bool = False) -> dict[str, Any] | None:
+    """The `kv_transfer_config` engine argument.
+
+    Handoff: vLLM's NIXL connector wrapped by Baton's counting subclass (kv_transfer/nixl.py), so
+    every transfer is counted by the connector itself. Segments (memory injection): Baton's
+    SegmentConnector (kv_transfer/segment_connector.py). Both: vLLM's MultiConnector, NIXL first —
+    a request that arrives with NIXL handoff params loads from NIXL, one that carries segments
+    loads them (the first connector that reports tokens wins)."""
+    plan = kv_transfer_plan(role, policy, on_gpu)
+    nixl = None
+    if plan.connector is not None:
+        from kv_transfer.nixl import nixl_kv_transfer_config
+
+        nixl = nixl_kv_transfer_config(plan.role or "kv_both", plan.buffer_device)
+    seg = {**SEGMENT_CONNECTOR, "kv_buffer_device": plan.buffer_device, "kv_load_failure_policy": "recompute"} if segments else None
+    if nixl and seg:
+        return {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "kv_buffer_device": plan.buffer_device,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"connectors": [nixl, seg]},
+        }
+    return nixl or seg

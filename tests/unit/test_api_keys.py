@@ -10,13 +10,13 @@ from deployments.chat import PromptRenderer
 from deployments.config import ConfigError, load_app_config
 from deployments.frontend import OpenAIFrontend
 from deployments.metrics import RecordingMetrics
-from deployments.openai_api import api_keys_from_env, authorized, build_openai_app
+from deployments.openai_api import api_keys_from_env, authenticate, authorized, build_openai_app
 from tests.unit.fakes import FakeBackend, FakeTokenizer
 
 CHAT = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2}
 
 
-def client(keys: frozenset[str]) -> tuple[TestClient, FakeBackend]:
+def client(keys: dict[str, str | None]) -> tuple[TestClient, FakeBackend]:
     backend = FakeBackend()
     frontend = OpenAIFrontend(model_id="m", renderer=PromptRenderer(FakeTokenizer()), backend=backend, max_model_len=64, default_max_tokens=4, metrics=RecordingMetrics())
 
@@ -30,8 +30,9 @@ def client(keys: frozenset[str]) -> tuple[TestClient, FakeBackend]:
 
 
 def test_keys_come_from_the_named_variable() -> None:
-    assert api_keys_from_env(None, {}) == frozenset()
-    assert api_keys_from_env("K", {"K": " a, b ,,"}) == frozenset({"a", "b"})
+    assert api_keys_from_env(None, {}) == {}
+    assert api_keys_from_env("K", {"K": " a, b ,,"}) == {"a": None, "b": None}
+    assert api_keys_from_env("K", {"K": "a=alice, b = bob,c"}) == {"a": "alice", "b": "bob", "c": None}
     with pytest.raises(ValueError, match="'K'"):
         api_keys_from_env("K", {})
     with pytest.raises(ValueError, match="holds no keys"):
@@ -39,7 +40,10 @@ def test_keys_come_from_the_named_variable() -> None:
 
 
 def test_bearer_header_must_carry_a_configured_key() -> None:
-    keys = frozenset({"secret-1"})
+    keys = {"secret-1": None, "secret-9": "alice"}
+    assert authenticate("Bearer secret-9", keys) == (True, "alice")
+    assert authenticate("Bearer secret-1", keys) == (True, None)
+    assert authenticate("Bearer secret-2", keys) == (False, None)
     assert authorized("Bearer secret-1", keys)
     assert not authorized("Bearer secret-2", keys)
     assert not authorized("secret-1", keys)
@@ -47,7 +51,7 @@ def test_bearer_header_must_carry_a_configured_key() -> None:
 
 
 def test_with_keys_the_api_needs_one_and_health_stays_open() -> None:
-    c, backend = client(frozenset({"k1", "k2"}))
+    c, backend = client({"k1": None, "k2": None})
     for path, method, body in (("/v1/chat/completions", "post", CHAT), ("/v1/models", "get", None), ("/baton/stats", "get", None)):
         r = c.request(method, path, json=body)
         assert r.status_code == 401, path
@@ -60,7 +64,7 @@ def test_with_keys_the_api_needs_one_and_health_stays_open() -> None:
 
 
 def test_without_keys_no_header_is_needed() -> None:
-    c, _ = client(frozenset())
+    c, _ = client({})
     assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
 
 

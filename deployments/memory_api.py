@@ -1,0 +1,140 @@
+"""The ingress's memory surface: /v1/memories and the `memories` option of chat requests.
+
+`MemoryFrontend` talks to the memory-store actor (memory_store/deployment.py) through a handle
+and renders recalled facts into the prompt (memory_store/layout.py). Errors of the store become
+OpenAI-style errors: bad input 400, a fact that is not the caller's 404 (the same answer as for
+an id that does not exist, so nothing leaks), the store unreachable 503.
+
+Who the user is: the caller names it (`user` in the body, or the x-baton-user header); when API
+keys are bound to users (ingress.api_keys_env entries `key=user`) the key decides, and naming
+another user is refused with 403.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from deployments.chat import PromptRenderer, template_messages
+from deployments.errors import APIError, bad_request, unavailable
+from deployments.protocol import AddMemoriesRequest, ChatCompletionRequest
+from memory_store.config import MemoryConfig
+from memory_store.errors import FactNotFound, InvalidInput
+from memory_store.ingest import conversation_facts
+from memory_store.layout import MemoryPrompt, RecalledFact, memory_prompt
+
+logger = logging.getLogger("baton.api")
+
+USER_HEADER = "x-baton-user"
+STORE_TIMEOUT_S = 10.0
+
+
+def resolve_user(bound: str | None, claimed: str | None, *, required: bool) -> str | None:
+    """The request's user: the API key's user when keys are bound to users, else the claim."""
+    if bound is not None:
+        if claimed is not None and claimed != bound:
+            raise APIError(403, "the API key belongs to another user", param="user", code="user_mismatch")
+        return bound
+    if required and not claimed:
+        raise bad_request("memories need a user: send `user` in the body or the x-baton-user header", param="user", code="user_required")
+    return claimed
+
+
+def store_error(e: BaseException) -> APIError:
+    cause = getattr(e, "cause", None) or e  # RayTaskError carries the actor's exception as .cause
+    if isinstance(cause, FactNotFound):
+        return APIError(404, f"memory not found: {', '.join(cause.ids[:5])}", param="ids", code="memory_not_found")
+    if isinstance(cause, InvalidInput):
+        return bad_request(str(cause), code="invalid_memory")
+    if isinstance(cause, APIError):
+        return cause
+    logger.warning("memory store call failed: %s", type(cause).__name__)
+    return unavailable(f"memory store unavailable ({type(cause).__name__})")
+
+
+class MemoryFrontend:
+    def __init__(self, cfg: MemoryConfig, store: Any, renderer: PromptRenderer, model: str, encoder: Any | None = None):
+        self._cfg = cfg
+        self._store = store
+        self._renderer = renderer
+        self._model = model
+        self._encoder = encoder  # the decode pool handle: precomputes KV of newly added facts
+        self._background: set[asyncio.Task] = set()
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await asyncio.wait_for(getattr(self._store, method).remote(*args), STORE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise unavailable("memory store did not answer in time") from None
+        except Exception as e:  # noqa: BLE001 - mapped to 400/404/503
+            raise store_error(e) from None
+
+    # ---- /v1/memories ------------------------------------------------------------------------
+    async def add(self, user: str, body: AddMemoriesRequest, session_id: str | None) -> dict[str, Any]:
+        if body.facts is not None:
+            texts, source = body.facts, body.source or "api"
+        else:
+            texts = conversation_facts([m.model_dump() for m in body.messages or []])
+            source = body.source or session_id or "api"
+            if not texts:
+                raise bad_request("the messages hold no user or assistant turns", param="messages")
+        facts = await self._call("add", user, texts, source)
+        if self._cfg.mode == "kv" and self._encoder is not None:
+            self._precompute(user, facts)
+        return {"object": "list", "data": [f.as_json() for f in facts]}
+
+    async def list(self, user: str, limit: int, offset: int) -> dict[str, Any]:
+        if not 1 <= limit <= 1000 or offset < 0:
+            raise bad_request("limit must be in [1, 1000] and offset >= 0", param="limit")
+        facts = await self._call("list", user, limit, offset)
+        return {"object": "list", "data": [f.as_json() for f in facts]}
+
+    async def get(self, user: str, fact_id: str) -> dict[str, Any]:
+        (fact,) = await self._call("get", user, [fact_id])
+        return fact.as_json()
+
+    async def delete(self, user: str, fact_id: str) -> dict[str, Any]:
+        await self._call("delete", user, [fact_id])
+        return {"id": fact_id, "object": "memory.deleted", "deleted": True}
+
+    async def delete_all(self, user: str) -> dict[str, Any]:
+        n = await self._call("delete_all", user)
+        return {"object": "memory.deleted", "deleted": n}
+
+    # ---- chat with memories ------------------------------------------------------------------
+    async def chat_prompt(self, body: ChatCompletionRequest, user: str) -> MemoryPrompt:
+        opt = body.memories
+        assert opt is not None
+        window = self._cfg.context_window if opt.window is None else opt.window
+        mode = opt.mode or self._cfg.mode
+        k = opt.k or self._cfg.default_k
+        if k > self._cfg.max_k:
+            raise bad_request(f"memories.k must be at most {self._cfg.max_k}", param="memories.k")
+        query = next((m.text() for m in reversed(body.messages) if m.role == "user"), "")
+        recall = await self._call("recall", user, query, k, window, tuple(opt.ids or ()))
+        return memory_prompt(self._renderer, template_messages(body.messages), recall.facts,
+                             user=user, model=self._model, window=window, inject=mode == "kv")
+
+    def _precompute(self, user: str, facts: list[Any]) -> None:
+        """Encode the new facts' KV on a decode replica in the background (InferScale's
+        precomputation); a failure only means the first request that recalls them encodes them."""
+        recalled = [RecalledFact(f.id, f.text) for f in facts]
+
+        async def run() -> None:
+            try:
+                window = self._cfg.context_window
+                if window:
+                    recall = await self._call("recall", user, "", 1, window, tuple(f.id for f in facts))
+                    recalled_ctx = list(recall.facts)
+                else:
+                    recalled_ctx = recalled
+                p = memory_prompt(self._renderer, [{"role": "user", "content": ""}], recalled_ctx,
+                                  user=user, model=self._model, window=window, inject=True)
+                if p.injection is not None:
+                    await self._encoder.encode_memories.remote(p.token_ids, p.injection)
+            except Exception as e:  # noqa: BLE001 - best effort
+                logger.warning("precomputing memory KV failed: %s", type(e).__name__)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

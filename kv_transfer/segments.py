@@ -1,0 +1,142 @@
+"""Position-free KV segments and the per-process table the segment connector reads them from.
+
+A `KVSegment` is the KV of consecutive tokens for every attention layer of a model, with keys
+stored *before* RoPE, so it can be laid down at any position (kv_transfer/rope.py rotates it
+there). InferScale's memory facts, a conversation's anchor (the tokens before the memories) and
+Metronome's sink and window segments are all KVSegments.
+
+The engine runs in the replica's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker), so the
+connector's scheduler half, its worker half and the code that submits requests share this
+process. They meet in `SegmentTable`, keyed by a key the submitter puts in the request's
+kv_transfer_params (not the request id, which vLLM rewrites):
+- `offer(key, segments)` before submitting a request that injects them;
+- the connector reads them (`injection(key)`), and writes captures (`put_capture`);
+- the submitter takes captures (`take_capture`) and `discard`s its key when the request ends.
+Invariant: a key is present only between offer/put and take/discard; nothing outlives its request.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVSegment:
+    """KV of `token_ids` for every attention layer: keys fp32 pre-RoPE, values in the model dtype.
+
+    keys, values: [layers, tokens, kv_heads, head_dim]."""
+
+    token_ids: tuple[int, ...]
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.keys.shape != self.values.shape or self.keys.dim() != 4:
+            raise ValueError(f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} must both be [L, T, H, D]")
+        if self.keys.shape[1] != len(self.token_ids):
+            raise ValueError(f"{len(self.token_ids)} token ids but KV for {self.keys.shape[1]} tokens")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def slice(self, start: int, end: int) -> "KVSegment":
+        return KVSegment(self.token_ids[start:end], self.keys[:, start:end], self.values[:, start:end])
+
+
+@dataclass(frozen=True)
+class Injection:
+    """Segments laid end to end from position 0: they supply the KV of prompt positions [0, end)."""
+
+    segments: tuple[KVSegment, ...]
+    token_ids: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", tuple(t for s in self.segments for t in s.token_ids))
+
+    @property
+    def end(self) -> int:
+        return len(self.token_ids)
+
+    def kv_range(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-RoPE keys and values [L, end-start, H, D] of injected positions [start, end)."""
+        keys, values, pos = [], [], 0
+        for s in self.segments:
+            lo, hi = max(start, pos), min(end, pos + s.num_tokens)
+            if lo < hi:
+                keys.append(s.keys[:, lo - pos : hi - pos])
+                values.append(s.values[:, lo - pos : hi - pos])
+            pos += s.num_tokens
+        if not keys:
+            raise ValueError(f"no injected tokens in [{start}, {end})")
+        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
+
+
+@dataclass
+class SegmentStats:
+    """Counters of this process's segment connector (read by the replica's stats report)."""
+
+    injections: int = 0
+    injected_tokens: int = 0
+    load_failures: int = 0
+    unavailable: int = 0  # asked to inject but the segments were missing or did not match
+    captures: int = 0
+
+
+@dataclass(frozen=True)
+class CaptureResult:
+    """What a capture request produced: one segment per requested range, or why it failed."""
+
+    segments: tuple[KVSegment, ...] = ()
+    error: str | None = None
+
+
+class SegmentTable:
+    """Per-process hand-over point between request submitters and the segment connector."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._injections: dict[str, Injection] = {}
+        self._captures: dict[str, CaptureResult] = {}
+        self.stats = SegmentStats()
+
+    def offer(self, key: str, segments: tuple[KVSegment, ...]) -> Injection:
+        inj = Injection(tuple(segments))
+        with self._lock:
+            self._injections[key] = inj
+        return inj
+
+    def injection(self, key: str) -> Injection | None:
+        with self._lock:
+            return self._injections.get(key)
+
+    def put_capture(self, key: str, result: CaptureResult) -> None:
+        with self._lock:
+            self._captures[key] = result
+
+    def take_capture(self, key: str) -> CaptureResult | None:
+        with self._lock:
+            return self._captures.pop(key, None)
+
+    def discard(self, key: str) -> None:
+        with self._lock:
+            self._injections.pop(key, None)
+            self._captures.pop(key, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._injections) + len(self._captures)
+
+
+_TABLE = SegmentTable()
+
+
+def process_segments() -> SegmentTable:
+    """This process's table (one engine per process; see the module docstring)."""
+    return _TABLE

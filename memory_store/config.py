@@ -1,0 +1,52 @@
+"""User-facing memory-store settings (the `memory` block of an application's args).
+
+Pydantic with extra="forbid" (a misspelled field fails with its name) and frozen. Relative
+`db_path` is relative to the repository root; the caller resolves it (`resolved_db_path`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class MemoryConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    db_path: str = Field(".cache/baton/memories.sqlite3",
+                         description="SQLite file holding every user's facts; relative to the repo root.")
+    embedder: Literal["all-MiniLM-L6-v2", "hashing"] = Field(
+        "all-MiniLM-L6-v2", description="Sentence-embedding model for retrieval (hashing: model-free, tests).")
+    default_k: int = Field(5, ge=1, description="Facts retrieved when a request asks for memories without k.")
+    max_k: int = Field(100, ge=1, description="Largest k a request may ask for.")
+    context_window: int = Field(2, ge=0, description=(
+        "w: how many preceding facts of the same source are the context when a fact's KV is "
+        "encoded (0 = the fact alone)."))
+    segment_capacity_mb: int = Field(256, ge=1, description="Byte budget of the memory store's encoded-KV segment cache.")
+    replica_cache_mb: int = Field(128, ge=1, description=(
+        "Byte budget of each engine replica's own cache of encoded segments (in front of the store's)."))
+    mode: Literal["kv", "prompt"] = Field("kv", description=(
+        "kv: inject encoded KV segments; prompt: paste the facts as text (baseline)."))
+    max_fact_chars: int = Field(2000, ge=1, description="Longest fact text accepted.")
+    max_facts_per_request: int = Field(256, ge=1, description="Most facts one add/get/delete call may carry.")
+
+    @model_validator(mode="after")
+    def _k_bounds(self) -> MemoryConfig:
+        if self.default_k > self.max_k:
+            raise ValueError(f"default_k ({self.default_k}) must not exceed max_k ({self.max_k})")
+        return self
+
+    @property
+    def segment_capacity_bytes(self) -> int:
+        return self.segment_capacity_mb * 1024 * 1024
+
+    @property
+    def replica_cache_bytes(self) -> int:
+        return self.replica_cache_mb * 1024 * 1024
+
+    def resolved_db_path(self, root: Path) -> Path:
+        """`db_path` as an absolute path: relative paths are taken from `root` (the repo root)."""
+        p = Path(self.db_path).expanduser()
+        return p if p.is_absolute() else Path(root) / p

@@ -1,0 +1,74 @@
+"""The memory-store actor: MemoryService (memory_store/store.py) behind one Serve replica.
+
+One replica (a Ray actor) owns the SQLite file and the segment cache; every ingress and engine
+replica talks to it through a handle. Blocking work (SQLite, embeddings) runs in a worker
+thread so the actor keeps answering. Restarting it loses only cached KV: facts are on disk and
+engine replicas re-encode segments on demand.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ray import serve
+from ray.serve import metrics
+
+from memory_store.config import MemoryConfig
+from memory_store.db import FactStore
+from memory_store.embedder import make_embedder
+from memory_store.segment_cache import SegmentKey
+from memory_store.store import FactView, MemoryService, Recall
+
+logger = logging.getLogger("ray.serve")
+
+
+class MemoryStore:
+    def __init__(self, cfg: MemoryConfig, db_path: str):
+        db = FactStore(db_path, max_fact_chars=cfg.max_fact_chars, max_facts_per_request=cfg.max_facts_per_request)
+        self._svc = MemoryService(cfg, db, make_embedder(cfg.embedder))
+        self._bytes = metrics.Gauge("baton_memory_segment_bytes", "bytes of encoded memory KV held by the memory store")
+        self._hits = metrics.Counter("baton_memory_segment_lookups", "segment lookups by the engines", tag_keys=("result",))
+        logger.info("memory store on %s", db_path)
+
+    async def add(self, user: str, texts: Sequence[str], source: str = "api") -> list[FactView]:
+        return await asyncio.to_thread(self._svc.add, user, texts, source)
+
+    async def list(self, user: str, limit: int = 100, offset: int = 0) -> list[FactView]:
+        return await asyncio.to_thread(self._svc.list, user, limit, offset)
+
+    async def get(self, user: str, ids: Sequence[str]) -> list[FactView]:
+        return await asyncio.to_thread(self._svc.get, user, ids)
+
+    async def delete(self, user: str, ids: Sequence[str]) -> int:
+        return await asyncio.to_thread(self._svc.delete, user, ids)
+
+    async def delete_all(self, user: str) -> int:
+        return await asyncio.to_thread(self._svc.delete_all, user)
+
+    async def recall(self, user: str, query: str, k: int, window: int, ids: Sequence[str] = ()) -> Recall:
+        return await asyncio.to_thread(self._svc.recall, user, query, k, window, ids)
+
+    async def get_segments(self, user: str, keys: Sequence[SegmentKey]) -> dict[SegmentKey, Any]:
+        found = await asyncio.to_thread(self._svc.get_segments, user, keys)
+        self._hits.inc(len(found), tags={"result": "hit"})
+        self._hits.inc(len(keys) - len(found), tags={"result": "miss"})
+        return found
+
+    async def put_segments(self, user: str, items: Sequence[tuple[SegmentKey, Any, Sequence[str]]]) -> int:
+        n = await asyncio.to_thread(self._svc.put_segments, user, items)
+        self._bytes.set(self._svc.stats().bytes)
+        return n
+
+    async def stats(self) -> dict[str, Any]:
+        return dataclasses.asdict(self._svc.stats())
+
+    async def check_integrity(self) -> None:
+        """Full check (SQLite integrity_check + cache invariants); tests call it, not health checks."""
+        await asyncio.to_thread(self._svc.check_integrity)
+
+
+MemoryStoreDeployment = serve.deployment(MemoryStore, name="memory_store", num_replicas=1, max_ongoing_requests=256,
+                                         ray_actor_options={"num_cpus": 0})

@@ -1,0 +1,105 @@
+"""Where recalled memory facts go in a chat prompt, as token ids (the ingress side of InferScale).
+
+Layout (one prompt, both modes):
+
+    [anchor: chat template up to and including the memory header][fact 1 line][fact 2 line]…[rest]
+    |<------------- exact KV (computed once) ------------->|<-- position-free fact KV -->|<- computed ->|
+
+The memories sit at the end of the system message: "<system text>\\n\\nWhat you remember about the
+user:\\n- fact 1\\n- fact 2\\n…". Each part is tokenized on its own and the ids concatenated, so a
+fact's tokens are the same wherever it is placed; that is what lets its KV be encoded once and
+reused. Prompt injection (the baseline) sends exactly these token ids and computes all of them;
+KV injection sends the same ids with a MemoryInjection that lets the engine load [0, end).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+from engine.types import MemoryFact, MemoryInjection
+
+MEMORY_HEADER = "\n\nWhat you remember about the user:\n"
+DEFAULT_SYSTEM = "You are a helpful assistant."
+_MARK = "\u0000baton-memory-block\u0000"
+
+
+class Renderer(Protocol):
+    def chat_text(self, messages: list[dict[str, Any]]) -> str: ...
+
+    def text_tokens(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class RecalledFact:
+    """A fact the memory store returned for a request, with the texts of its w predecessors."""
+
+    fact_id: str
+    text: str
+    context: tuple[str, ...] = ()
+    context_fact_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MemoryPrompt:
+    token_ids: tuple[int, ...]
+    injection: MemoryInjection | None  # None in prompt mode or without facts
+    cache_salt: str | None
+
+
+def fact_line(text: str) -> str:
+    return "- " + " ".join(text.split()) + "\n"
+
+
+def memory_prompt(
+    renderer: Renderer,
+    messages: Sequence[dict[str, Any]],
+    facts: Sequence[RecalledFact],
+    *,
+    user: str,
+    model: str,
+    window: int,
+    inject: bool,
+) -> MemoryPrompt:
+    """Token ids of `messages` (template dicts: role, content) with `facts` in the system message.
+
+    inject=True returns the MemoryInjection (and a cache salt naming this composition: vLLM
+    registers the injected blocks in its prefix cache, and an approximate injection must never be
+    hit by a request that did not ask for exactly it)."""
+    msgs = list(messages)
+    if msgs and msgs[0].get("role") == "system":
+        system, rest = str(msgs[0].get("content") or ""), msgs[1:]
+    else:
+        system, rest = DEFAULT_SYSTEM, msgs
+    if any(_MARK in str(m.get("content") or "") for m in msgs):
+        raise ValueError("message content contains a reserved control sequence")
+    text = renderer.chat_text([{"role": "system", "content": system + MEMORY_HEADER + _MARK}, *rest])
+    before, after = text.split(_MARK, 1)
+    anchor = renderer.text_tokens(before)
+    ids, placed = list(anchor), []
+    for f in facts:
+        line = tuple(renderer.text_tokens(fact_line(f.text)))
+        ctx_texts = f.context[-window:] if window else ()
+        ctx = tuple(t for c in ctx_texts for t in renderer.text_tokens(fact_line(c)))
+        ctx_ids = f.context_fact_ids[-window:] if window else ()
+        placed.append(MemoryFact(fact_id=f.fact_id, start=len(ids), token_ids=line, context_ids=ctx, context_fact_ids=ctx_ids))
+        ids.extend(line)
+    ids.extend(renderer.text_tokens(after))
+    if not inject or not placed:
+        return MemoryPrompt(tuple(ids), None, None)
+    injection = MemoryInjection(user=user, anchor_len=len(anchor), facts=tuple(placed), window=window, model=model)
+    injection.check_integrity(len(ids))
+    return MemoryPrompt(tuple(ids), injection, composition_salt(injection, anchor))
+
+
+def composition_salt(injection: MemoryInjection, anchor: Sequence[int]) -> str:
+    h = hashlib.sha256()
+    h.update(f"{injection.user}\x00{injection.model}\x00{injection.window}\x00".encode())
+    h.update(token_hash(anchor).encode())
+    for f in injection.facts:
+        h.update(f.fact_id.encode() + b"\x00")
+    return "baton-mem-" + h.hexdigest()[:32]
+
+
+def token_hash(ids: Sequence[int]) -> str:
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:32]

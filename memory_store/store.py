@@ -1,0 +1,144 @@
+"""MemoryService: one user's facts in, recalled facts and their encoded KV out.
+
+The logic of the memory-store actor, free of Serve (memory_store/deployment.py wraps it), so it
+is testable in milliseconds with a fake embedder. It owns three things:
+- the durable facts (memory_store/db.py, SQLite): the truth, never lost;
+- the embedder (memory_store/embedder.py) for retrieval by cosine similarity;
+- the encoded KV segments (memory_store/segment_cache.py, LRU by bytes): a cache only. An
+  evicted or lost segment is encoded again by an engine replica when next needed.
+Every call names the user, and every fact it touches must be that user's (FactNotFound
+otherwise, the same answer for a foreign id as for an unknown one).
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from memory_store.config import MemoryConfig
+from memory_store.db import Fact, FactStore
+from memory_store.embedder import Embedder
+from memory_store.errors import InvalidInput
+from memory_store.layout import RecalledFact
+from memory_store.retrieval import order_for_layout, top_k
+from memory_store.segment_cache import CacheStats, SegmentCache, SegmentKey
+
+
+@dataclass(frozen=True)
+class FactView:
+    """A fact as the API shows it (no embedding)."""
+
+    id: str
+    text: str
+    source: str
+    seq: int
+    created_at: float
+
+    @classmethod
+    def of(cls, f: Fact) -> "FactView":
+        return cls(f.id, f.text, f.source, f.seq, f.created_at)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "memory", "text": self.text, "source": self.source, "seq": self.seq,
+                "created_at": int(self.created_at)}
+
+
+@dataclass(frozen=True)
+class Recall:
+    facts: tuple[RecalledFact, ...]
+    scores: tuple[float, ...]  # cosine similarity per fact (1.0 for facts named explicitly)
+
+
+class MemoryService:
+    def __init__(self, cfg: MemoryConfig, db: FactStore, embedder: Embedder):
+        self._cfg = cfg
+        self._db = db
+        self._embedder = embedder
+        self._segments = SegmentCache(cfg.segment_capacity_bytes)
+        self._seg_lock = threading.Lock()  # SegmentCache is not thread-safe
+
+    # ---- facts ------------------------------------------------------------------------------
+    def add(self, user: str, texts: Sequence[str], source: str = "api") -> list[FactView]:
+        if not texts:
+            raise InvalidInput("no facts given")
+        vecs = self._embedder.embed(list(texts))
+        return [FactView.of(f) for f in self._db.add(user, list(texts), source, vecs)]
+
+    def list(self, user: str, limit: int = 100, offset: int = 0) -> list[FactView]:
+        return [FactView.of(f) for f in self._db.list_facts(user, limit=limit, offset=offset)]
+
+    def get(self, user: str, ids: Sequence[str]) -> list[FactView]:
+        return [FactView.of(f) for f in self._db.get(user, list(ids))]
+
+    def delete(self, user: str, ids: Sequence[str]) -> int:
+        n = self._db.delete(user, list(ids), missing_ok=False)
+        with self._seg_lock:
+            for fid in ids:
+                self._segments.drop_fact(fid)
+        return n
+
+    def delete_all(self, user: str) -> int:
+        ids = [f.id for f in self._db.list_facts(user, limit=1 << 30)]
+        n = self._db.delete_all(user)
+        with self._seg_lock:
+            for fid in ids:
+                self._segments.drop_fact(fid)
+        return n
+
+    def recall(self, user: str, query: str, k: int, window: int, ids: Sequence[str] = ()) -> Recall:
+        """The facts for one request: `ids` if given (all must be the user's), else the top k by
+        cosine similarity to `query`; ordered by (source, seq) so neighbours sit together, each
+        with the texts of its `window` predecessors (its encoding context)."""
+        if not 0 <= window <= 64:
+            raise InvalidInput("memory window must be in [0, 64]")
+        if ids:
+            facts = self._db.get(user, list(ids))
+            scores = {f.id: 1.0 for f in facts}
+        else:
+            if not 1 <= k <= self._cfg.max_k:
+                raise InvalidInput(f"memories.k must be in [1, {self._cfg.max_k}]")
+            all_ids, matrix = self._db.all_embeddings(user)
+            if not all_ids:
+                return Recall((), ())
+            q = self._embedder.embed([query or " "])[0]
+            best = top_k(q, all_ids, matrix, k)
+            scores = {s.fact_id: s.score for s in best}
+            facts = self._db.get(user, [s.fact_id for s in best])
+        ordered = order_for_layout(facts)
+        recalled = []
+        for f in ordered:
+            before = self._db.preceding(user, f, window) if window else []
+            recalled.append(RecalledFact(f.id, f.text, tuple(p.text for p in before), tuple(p.id for p in before)))
+        return Recall(tuple(recalled), tuple(scores[f.id] for f in ordered))
+
+    # ---- encoded KV --------------------------------------------------------------------------
+    def get_segments(self, user: str, keys: Sequence[SegmentKey]) -> dict[SegmentKey, Any]:
+        """Cached segments among `keys` (misses are simply absent). Fact keys must be the user's."""
+        fact_ids = sorted({k.fact_id for k in keys if k.kind == "fact"})
+        if fact_ids:
+            self._db.get(user, fact_ids)  # raises FactNotFound for a foreign or deleted fact
+        with self._seg_lock:
+            return {k: v for k in keys if (v := self._segments.get(k)) is not None}
+
+    def put_segments(self, user: str, items: Sequence[tuple[SegmentKey, Any, Sequence[str]]]) -> int:
+        """Store encoded segments (key, segment, ids of the context facts it was encoded after).
+        Segments of facts deleted meanwhile are dropped. Returns how many were stored."""
+        fact_ids = {k.fact_id for k, _, _ in items if k.kind == "fact"}
+        alive = {f.id for f in self._db.list_facts(user, limit=1 << 30)} if fact_ids else set()
+        stored = 0
+        with self._seg_lock:
+            for key, seg, ctx in items:
+                if key.kind == "fact" and (key.fact_id not in alive or not set(ctx) <= alive):
+                    continue
+                stored += self._segments.put(key, seg, context=ctx).stored
+        return stored
+
+    def stats(self) -> CacheStats:
+        with self._seg_lock:
+            return self._segments.stats()
+
+    def check_integrity(self) -> None:
+        self._db.check_integrity()
+        with self._seg_lock:
+            self._segments.check_integrity()

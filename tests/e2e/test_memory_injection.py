@@ -1,0 +1,173 @@
+"""KV segment injection on a real engine (SmolLM2, vLLM CPU, in this process): the segment
+connector captures position-free KV, injects it re-rotated, and the engine really uses it.
+
+Tolerances stated here were measured on this machine: an exact injection (KV captured from the
+same prompt, keys through fp32 pre-RoPE and back) reproduces greedy tokens and its logprobs move
+by < 0.1 nats; layer-0 keys moved from position p to q match keys computed at q within 2 bf16
+ulps of the key's magnitude (layer 0's keys depend on the token alone, so any difference is the
+rotation's)."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from deployments.config import EngineConfig
+from engine.args import build_engine_spec
+from engine.types import GenerationRequest, SamplingSpec
+from kv_transfer.rope import apply_rope, remove_rope, rope_spec_from_hf_config
+from kv_transfer.segments import KVSegment, process_segments
+from memory_store.layout import RecalledFact, memory_prompt
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
+FACTS = [
+    "Caroline adopted a grey cat named Pixel in March.",
+    "Caroline works as a night-shift nurse at the city hospital.",
+    "Caroline's favourite food is spicy ramen from the corner shop.",
+    "Caroline is training for the Berlin marathon in September.",
+]
+
+
+@pytest.fixture(scope="module")
+def runner() -> Iterator[Any]:
+    if not (MODEL_DIR / "config.json").exists():
+        pytest.fail(f"model not provisioned at {MODEL_DIR}: run `make setup`")
+    from engine.runner import EngineRunner
+
+    cfg = EngineConfig(model=str(MODEL_DIR), max_model_len=2048, kv_cache_gib=0.25, cpu_threads=2, max_num_seqs=8)
+    spec = build_engine_spec(cfg, role="decode", policy="colocated", model_path=str(MODEL_DIR), on_gpu=False,
+                             cache_root=str(ROOT / ".cache"), segments=True)
+    r = EngineRunner(spec)
+    yield r
+    r.shutdown()
+
+
+@pytest.fixture(scope="module")
+def renderer() -> Any:
+    from deployments.chat import PromptRenderer
+
+    return PromptRenderer.from_path(str(MODEL_DIR))
+
+
+def _run(runner: Any, ids: tuple[int, ...], injection: tuple[KVSegment, ...] | None = None, salt: str | None = None,
+         max_tokens: int = 12) -> tuple[tuple[int, ...], int]:
+    req = GenerationRequest(request_id=uuid.uuid4().hex, prompt_token_ids=ids,
+                            sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0), cache_salt=salt or uuid.uuid4().hex)
+
+    async def go() -> tuple[tuple[int, ...], int]:
+        toks: list[int] = []
+        cached = 0
+        async for d in runner.generate(req, injection=injection):
+            toks.extend(d.token_ids)
+            cached = max(cached, d.cached_tokens)
+        return tuple(toks), cached
+
+    return asyncio.run(go())
+
+
+def _capture(runner: Any, ids: tuple[int, ...], ranges: tuple[tuple[int, int], ...]) -> tuple[KVSegment, ...]:
+    return asyncio.run(runner.capture(uuid.uuid4().hex, ids, ranges, cache_salt=uuid.uuid4().hex))
+
+
+def _prompt(renderer: Any, question: str, facts: list[RecalledFact], window: int) -> Any:
+    return memory_prompt(renderer, [{"role": "user", "content": question}], facts, user="caroline", model="smollm2",
+                         window=window, inject=True)
+
+
+def _whole_context_facts() -> list[RecalledFact]:
+    """Each fact's context = every fact before it: encoded with w ≥ its index, the KV is exactly
+    what computing the whole prompt produces (same tokens at the same positions)."""
+    ids = [f"{i:032x}" for i in range(len(FACTS))]
+    return [RecalledFact(ids[i], FACTS[i], tuple(FACTS[:i]), tuple(ids[:i])) for i in range(len(FACTS))]
+
+
+def _encode(runner: Any, p: Any) -> tuple[KVSegment, ...]:
+    """Encode the anchor and each fact as the replica's resolver does (memory_store/resolver.py)."""
+    from memory_store.resolver import SegmentResolver
+
+    resolver = SegmentResolver(runner, store=None, local_capacity_bytes=256 << 20)
+    return asyncio.run(resolver.resolve(p.token_ids, p.injection))
+
+
+def test_exact_injection_reproduces_greedy_output(runner: Any, renderer: Any) -> None:
+    p = _prompt(renderer, "Where does Caroline work?", _whole_context_facts(), window=8)
+    end = p.injection.end
+    (seg,) = _capture(runner, p.token_ids, ((0, end),))
+    plain, cached = _run(runner, p.token_ids)
+    injected, cached_inj = _run(runner, p.token_ids, injection=(seg,))
+    assert cached == 0 and cached_inj == end  # the engine computed only the suffix
+    assert injected == plain
+
+
+def test_corrupted_segment_changes_the_output(runner: Any, renderer: Any) -> None:
+    p = _prompt(renderer, "What is Caroline's cat called?", _whole_context_facts(), window=8)
+    (seg,) = _capture(runner, p.token_ids, ((0, p.injection.end),))
+    plain, _ = _run(runner, p.token_ids)
+    g = torch.Generator().manual_seed(0)
+    bad = KVSegment(seg.token_ids, seg.keys, torch.randn(seg.values.shape, generator=g).to(seg.values.dtype) * 4)
+    corrupted, cached = _run(runner, p.token_ids, injection=(bad,))
+    assert cached == p.injection.end
+    assert corrupted != plain
+
+
+def test_layer0_keys_moved_from_p_to_q_match_keys_computed_at_q(runner: Any, renderer: Any) -> None:
+    span = tuple(renderer.text_tokens("- Caroline adopted a grey cat named Pixel in March.\n"))
+    short = tuple(renderer.text_tokens("Facts:\n")) + span
+    long_ = tuple(renderer.text_tokens("Here is a much longer preamble before the facts begin, to move them along:\n")) + span
+    p, q = len(short) - len(span), len(long_) - len(span)
+    assert q - p >= 10
+    (at_p,) = _capture(runner, short, ((p, len(short)),))
+    (at_q,) = _capture(runner, long_, ((q, len(long_)),))
+    from transformers import AutoConfig
+
+    rope = rope_spec_from_hf_config(AutoConfig.from_pretrained(str(MODEL_DIR)))
+    n = len(span)
+    # the captured keys are position-free; place layer 0's key from p at q and compare with the
+    # engine's own post-RoPE key at q (re-applying the exact rotation it used)
+    moved = apply_rope(at_p.keys[0], torch.arange(q, q + n), rope)
+    computed = apply_rope(at_q.keys[0], torch.arange(q, q + n), rope)
+    scale = computed.abs().max().item()
+    err = (moved - computed).abs().max().item()
+    assert err <= 2 * scale / 128, (err, scale)  # 2 bf16 ulps of the largest element
+    # and the round trip through remove_rope is the identity on the stored form
+    back = remove_rope(moved, torch.arange(q, q + n), rope)
+    assert torch.allclose(back, at_p.keys[0], atol=1e-3 * scale)
+
+
+def test_whole_context_encoding_matches_prompt_injection(runner: Any, renderer: Any) -> None:
+    """Facts encoded one by one (anchor alone; each fact after its predecessors), then injected:
+    the same greedy answer as computing the facts' text (prompt injection)."""
+    p = _prompt(renderer, "What is Caroline training for?", _whole_context_facts(), window=8)
+    segs = _encode(runner, p)
+    assert len(segs) == 1 + len(FACTS) and sum(s.num_tokens for s in segs) == p.injection.end
+    plain, _ = _run(runner, p.token_ids)
+    injected, cached = _run(runner, p.token_ids, injection=segs, salt=p.cache_salt)
+    assert cached == p.injection.end
+    assert injected == plain
+
+
+def test_window_zero_encoding_runs_and_is_used(runner: Any, renderer: Any) -> None:
+    facts = [RecalledFact(f"{i:032x}", t) for i, t in enumerate(FACTS)]
+    p = _prompt(renderer, "What does Caroline eat?", facts, window=0)
+    segs = _encode(runner, p)
+    assert all(not f.context_ids for f in p.injection.facts)
+    _, cached = _run(runner, p.token_ids, injection=segs, salt=p.cache_salt)
+    assert cached == p.injection.end
+
+
+def test_mismatched_segments_fall_back_to_recompute(runner: Any, renderer: Any) -> None:
+    p = _prompt(renderer, "Where does Caroline work?", _whole_context_facts(), window=8)
+    (seg,) = _capture(runner, p.token_ids, ((0, p.injection.end),))
+    wrong = KVSegment(tuple(reversed(seg.token_ids)), seg.keys, seg.values)  # tokens differ from the prompt's
+    before = process_segments().stats.unavailable
+    plain, _ = _run(runner, p.token_ids)
+    out, cached = _run(runner, p.token_ids, injection=(wrong,))
+    assert out == plain and cached == 0
+    assert process_segments().stats.unavailable == before + 1
+    assert len(process_segments()) == 0  # nothing left behind in the hand-over table
