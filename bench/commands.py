@@ -9,6 +9,8 @@ from typing import Any
 BENCHMARKS = {
     "overhead": "bench.overhead",  # Baton vs bare vLLM, same engine and prompts
     "conserve": "bench.conserve",  # routing policies on one agentic trace
+    "checkpoints": "bench.checkpoints",  # recurrent-state checkpoint placement (hybrid models)
+    "memory": "bench.memory",  # InferScale: KV vs prompt injection of memories on LoCoMo
 }
 
 

@@ -21,7 +21,7 @@ from deployments.protocol import AddMemoriesRequest, ChatCompletionRequest
 from memory_store.config import MemoryConfig
 from memory_store.errors import FactNotFound, InvalidInput
 from memory_store.ingest import conversation_facts
-from memory_store.layout import MemoryPrompt, RecalledFact, memory_prompt
+from memory_store.layout import RESERVED_MARK, MemoryPrompt, RecalledFact, memory_prompt
 
 logger = logging.getLogger("baton.api")
 
@@ -111,9 +111,15 @@ class MemoryFrontend:
         if k > self._cfg.max_k:
             raise bad_request(f"memories.k must be at most {self._cfg.max_k}", param="memories.k")
         query = next((m.text() for m in reversed(body.messages) if m.role == "user"), "")
+        messages = template_messages(body.messages)
+        if any(RESERVED_MARK in str(m.get("content") or "") for m in messages):  # before any store work
+            raise bad_request("message content contains a reserved control sequence", param="messages")
         recall = await self._call("recall", user, query, k, window, tuple(opt.ids or ()))
-        return memory_prompt(self._renderer, template_messages(body.messages), recall.facts,
-                             user=user, model=self._model, window=window, inject=mode == "kv")
+        try:
+            return memory_prompt(self._renderer, messages, recall.facts,
+                                 user=user, model=self._model, window=window, inject=mode == "kv")
+        except ValueError as e:  # the client's messages cannot be laid out with memories: 400, not 500
+            raise bad_request(str(e), param="messages") from None
 
     def _precompute(self, user: str, facts: list[Any]) -> None:
         """Encode the new facts' KV on a decode replica in the background (InferScale's

@@ -11,8 +11,8 @@ element landed. The result is a gather index per run; a read is then one `index_
 Region map of one (block, head) run of the CPU cache, shape [num_blocks, H, block_size, 2·D]:
 
     run = kv_cache[block, head].flatten()          # block_size·2·D elements
-    [0, block_size·D)             keys   (order learned: key_index[offset, dim])
-    [block_size·D, 2·block_size·D) values (order learned: value_index[offset, dim])
+    keys   at run[key_index[offset, dim]]    (learned; vLLM's CPU kernels put keys in the first
+    values at run[value_index[offset, dim]]   half and values in the second, but that too is learned)
 
 Other cache shapes raise UnsupportedLayout (capture then fails and the caller recomputes).
 """
@@ -52,28 +52,34 @@ def learn_layout(write: WriteFn, block_size: int, head_dim: int, dtype: torch.dt
     """Learn the in-block layout from the backend's write op.
 
     `write(k[T,1,D], v[T,1,D], cache[1,1,block_size,2D], slots[T])` must be the backend's own
-    cache write. Two probes: elements equal to their offset, then to their dim (both small
-    integers, exact in bf16/fp16), so every run position is tagged with its (offset, dim)."""
+    cache write. Two probes into a NaN-filled scratch run: first keys tagged with their offset
+    and values with −(offset+1) (so a run position tells key from value, whichever order or
+    interleaving the backend uses), then both tagged with their dim. All tags are small integers,
+    exact in bf16/fp16 for block_size, head_dim ≤ 256, so every run position is tagged with its
+    (key or value, offset, dim)."""
     n = block_size * head_dim
     offsets = torch.arange(block_size, dtype=torch.float).repeat_interleave(head_dim).view(block_size, 1, head_dim)
     dims = torch.arange(head_dim, dtype=torch.float).repeat(block_size).view(block_size, 1, head_dim)
     slots = torch.arange(block_size, dtype=torch.long)
 
-    def probe(tag: torch.Tensor) -> torch.Tensor:
-        cache = torch.full((1, 1, block_size, 2 * head_dim), -1.0, dtype=dtype)
-        t = tag.to(dtype)
-        write(t, t, cache, slots)
+    def probe(k_tag: torch.Tensor, v_tag: torch.Tensor) -> torch.Tensor:
+        cache = torch.full((1, 1, block_size, 2 * head_dim), float("nan"), dtype=dtype)
+        write(k_tag.to(dtype), v_tag.to(dtype), cache, slots)
         return cache.flatten().to(torch.float)
 
-    by_offset, by_dim = probe(offsets), probe(dims)
-    if bool((by_offset < 0).any()):
+    by_offset, by_dim = probe(offsets, -(offsets + 1)), probe(dims, dims)
+    if bool(torch.isnan(by_offset).any() or torch.isnan(by_dim).any()):
         raise UnsupportedLayout("the backend's write did not fill the whole block run")
-    code = (by_offset * head_dim + by_dim).long()  # (offset, dim) → one id per run position
+    is_value = by_offset < 0
+    offset = torch.where(is_value, -by_offset - 1, by_offset)
+    if int(is_value.sum()) != n or not bool(((offset >= 0) & (offset < block_size) & (by_dim >= 0) & (by_dim < head_dim)).all()):
+        raise UnsupportedLayout("the backend's write did not store the probe tokens as written")
+    code = (offset * head_dim + by_dim).long()  # (offset, dim) → one id per key / value element
+    pos = torch.arange(2 * n)
     key_index = torch.full((n,), -1, dtype=torch.long)
     value_index = torch.full((n,), -1, dtype=torch.long)
-    pos = torch.arange(2 * n)
-    key_index[code[:n]] = pos[:n]
-    value_index[code[n:]] = pos[n:]
+    key_index[code[~is_value]] = pos[~is_value]
+    value_index[code[is_value]] = pos[is_value]
     layout = PagedLayout(block_size, head_dim, key_index.view(block_size, head_dim), value_index.view(block_size, head_dim))
     layout.check_integrity()
     return layout
@@ -87,13 +93,23 @@ def check_cache_shape(kv_cache: torch.Tensor, layout: PagedLayout) -> None:
 
 
 def read_tokens(kv_cache: torch.Tensor, slots: torch.Tensor, layout: PagedLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [T, H, D] of the tokens at `slots` (slot = block · block_size + offset)."""
+    """Keys and values [T, H, D] of the tokens at `slots` (slot = block · block_size + offset).
+
+    Reads only the T·H·D elements asked for (one flat index per element); copying each token's
+    whole (block, head) run first would move 2·block_size times more memory."""
     check_cache_shape(kv_cache, layout)
     blocks, offsets = slots // layout.block_size, slots % layout.block_size
-    runs = kv_cache.flatten(2)[blocks]  # [T, H, 2·block_size·D]
-    k_idx = layout.key_index[offsets][:, None, :].expand(-1, runs.shape[1], -1)  # [T, H, D]
-    v_idx = layout.value_index[offsets][:, None, :].expand(-1, runs.shape[1], -1)
-    return torch.gather(runs, 2, k_idx), torch.gather(runs, 2, v_idx)
+    heads = kv_cache.shape[1]
+    k_in_run = layout.key_index[offsets][:, None, :]  # [T, 1, D]
+    v_in_run = layout.value_index[offsets][:, None, :]
+    if not kv_cache.is_contiguous():  # a strided view: gather within copies of the runs
+        runs = kv_cache.flatten(2)[blocks]  # [T, H, 2·block_size·D]
+        return (torch.gather(runs, 2, k_in_run.expand(-1, heads, -1)),
+                torch.gather(runs, 2, v_in_run.expand(-1, heads, -1)))
+    run = 2 * layout.block_size * layout.head_dim
+    flat = kv_cache.view(-1)
+    base = ((blocks[:, None] * heads + torch.arange(heads)[None, :]) * run)[:, :, None]  # [T, H, 1]
+    return flat[base + k_in_run], flat[base + v_in_run]
 
 
 def layer_writer(layer: Any) -> WriteFn:

@@ -106,3 +106,33 @@ def apply_rope(keys: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> t
 def remove_rope(keys: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
     """Keys computed at `positions` [..., T, H, D] → position-free keys (fp32)."""
     return _rotate(keys, positions, spec, -1.0)
+
+
+class Rotator:
+    """Applies RoPE to many keys at once with vLLM's fused CPU/GPU kernel when it is available
+    (in-place `_C::rotary_embedding`, ~10x faster than the torch ops above on this machine),
+    falling back to `apply_rope`. The kernel gets an fp32 table holding the same rounded values
+    as the engine's own, so the math is fp32 and matches `apply_rope`."""
+
+    def __init__(self, spec: RopeSpec, max_positions: int):
+        self.spec = spec
+        cos, sin = cos_sin(spec, torch.arange(max_positions))
+        self._table = torch.cat((cos, sin), dim=-1).contiguous()  # [max_positions, D] fp32
+        self._op: Any = None
+        try:
+            from vllm import _custom_ops as ops
+
+            self._op = ops.rotary_embedding
+        except Exception:  # noqa: BLE001 - no compiled vLLM here: torch path
+            self._op = None
+
+    def apply(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Position-free keys [L, T, H, D] → fp32 keys at `positions` [T] for every layer."""
+        if int(positions.max()) >= self._table.shape[0]:
+            raise ValueError(f"position {int(positions.max())} beyond the rope table ({self._table.shape[0]})")
+        if self._op is None:
+            return apply_rope(keys, positions, self.spec)
+        layers, t, h, d = keys.shape
+        out = keys.to(torch.float, copy=True).reshape(layers * t, h * d)
+        self._op(positions.repeat(layers), out, None, d, self._table, self.spec.style == "neox")
+        return out.view(layers, t, h, d)

@@ -12,8 +12,8 @@ Rules it enforces (from vLLM's scheduler): a connector can only extend the local
 contiguous run, and at least one prompt token must stay to compute, so E < prompt length. The
 offered segments' token ids must equal the prompt's first E tokens, else nothing is loaded.
 A load that raises marks its blocks as failed; with kv_load_failure_policy="recompute" vLLM then
-recomputes them and the request still succeeds. A capture needs the whole prompt to be computed
-in one engine step (max_num_batched_tokens ≥ prompt length); otherwise it reports an error.
+recomputes them and the request still succeeds. A capture reads the KV in the step that
+completes its prompt (chunked prefill and preemption are followed).
 
 Only one worker in this process is supported (in-process engine, tensor parallel size 1), and the
 capture path knows the CPU backend's cache shape (kv_transfer/paged_kv.py); other backends raise
@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kv_transfer.paged_kv import PagedLayout, layer_writer, learn_layout, read_tokens
-from kv_transfer.rope import apply_rope, remove_rope, rope_spec_from_hf_config
+from kv_transfer.rope import Rotator, remove_rope, rope_spec_from_hf_config
 from kv_transfer.segments import CaptureResult, KVSegment, process_segments
 
 if TYPE_CHECKING:
@@ -68,6 +68,16 @@ class _Capture:
 
 
 @dataclass
+class _PendingCapture:
+    """A capture request between its admission and the step that completes its prompt."""
+
+    key: str
+    ranges: tuple[tuple[int, int], ...]
+    prompt: tuple[int, ...] = ()
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
 class SegmentConnectorMetadata(KVConnectorMetadata):
     loads: list[_Load] = field(default_factory=list)
     captures: list[_Capture] = field(default_factory=list)
@@ -92,10 +102,12 @@ class SegmentConnector(KVConnectorBase_V1):
         # scheduler side
         self._matched: dict[str, int] = {}  # request id → inject end promised
         self._pending_loads: list[_Load] = []
-        self._pending_captures: dict[str, tuple[str, tuple[tuple[int, int], ...]]] = {}
+        self._pending_captures: dict[str, _PendingCapture] = {}
         # worker side
         self._dtype = vllm_config.model_config.dtype
         self._rope = rope_spec_from_hf_config(vllm_config.model_config.hf_config, table_dtype=self._dtype)
+        self._rotator: Rotator | None = None  # built on first load (worker side only)
+        self._max_positions = vllm_config.model_config.max_model_len
         self._layers: list[Any] | None = None
         self._layout: PagedLayout | None = None
         self._failed_blocks: set[int] = set()
@@ -129,30 +141,48 @@ class SegmentConnector(KVConnectorBase_V1):
             self._pending_loads.append(_Load(p["key"], start, end, slots_for(block_ids, self._block_size, start, end)))
         if p and p.get("capture"):
             ranges = tuple((int(a), int(b)) for a, b in p["capture"])
-            self._pending_captures[request.request_id] = (p["key"], ranges)
+            self._pending_captures[request.request_id] = _PendingCapture(p["key"], ranges)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = SegmentConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
-        for new in scheduler_output.scheduled_new_reqs:
-            pending = self._pending_captures.pop(new.req_id, None)
-            if pending is None:
-                continue
-            key, ranges = pending
-            prompt = new.prompt_token_ids or []
-            done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
-            if done < len(prompt):
-                self._table.put_capture(key, CaptureResult(error=(
-                    f"capture needs the whole prompt ({len(prompt)} tokens) in one engine step; "
-                    f"raise max_num_batched_tokens")))
-                continue
-            bad = [r for r in ranges if not 0 <= r[0] < r[1] <= len(prompt)]
-            if bad:
-                self._table.put_capture(key, CaptureResult(error=f"capture ranges {bad} outside the prompt"))
-                continue
-            slots = tuple(slots_for(new.block_ids[0], self._block_size, a, b) for a, b in ranges)
-            meta.captures.append(_Capture(key, ranges, tuple(prompt), slots))
+        if self._pending_captures:
+            self._track_captures(scheduler_output, meta)
         return meta
+
+    def _track_captures(self, out: "SchedulerOutput", meta: SegmentConnectorMetadata) -> None:
+        """Follow capture requests through their prefill chunks (block ids arrive per chunk, or
+        all at once when a preempted request resumes); capture in the step that completes the
+        prompt, when every position's KV is in the paged cache."""
+        progress: list[tuple[str, int]] = []
+        for new in out.scheduled_new_reqs:
+            cap = self._pending_captures.get(new.req_id)
+            if cap is not None:
+                cap.prompt = tuple(new.prompt_token_ids or ())
+                cap.block_ids = list(new.block_ids[0])
+                progress.append((new.req_id, new.num_computed_tokens))
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            cap = self._pending_captures.get(rid)
+            if cap is None:
+                continue
+            blocks = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                cap.block_ids = list(blocks[0]) if blocks else []
+            elif blocks:
+                cap.block_ids.extend(blocks[0])
+            progress.append((rid, cached.num_computed_tokens[i]))
+        for rid, computed in progress:
+            cap = self._pending_captures[rid]
+            if computed + out.num_scheduled_tokens.get(rid, 0) < len(cap.prompt):
+                continue  # more chunks to come
+            del self._pending_captures[rid]
+            bad = [r for r in cap.ranges if not 0 <= r[0] < r[1] <= len(cap.prompt)]
+            if bad:
+                self._table.put_capture(cap.key, CaptureResult(error=f"capture ranges {bad} outside the prompt"))
+                continue
+            slots = tuple(slots_for(cap.block_ids, self._block_size, a, b) for a, b in cap.ranges)
+            meta.captures.append(_Capture(cap.key, cap.ranges, cap.prompt, slots))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._matched.pop(request.request_id, None)
@@ -192,8 +222,9 @@ class SegmentConnector(KVConnectorBase_V1):
         keys, values = inj.kv_range(load.start, load.end)  # [L, n, H, D]
         if keys.shape[0] != len(layers):
             raise RuntimeError(f"segments have {keys.shape[0]} layers, the model {len(layers)}")
-        positions = torch.arange(load.start, load.end)
-        rotated = apply_rope(keys, positions, self._rope).to(self._dtype)
+        if self._rotator is None:
+            self._rotator = Rotator(self._rope, self._max_positions)
+        rotated = self._rotator.apply(keys, torch.arange(load.start, load.end)).to(self._dtype)
         values = values.to(self._dtype)
         slots = torch.tensor(load.slots, dtype=torch.long)
         for i, layer in enumerate(layers):

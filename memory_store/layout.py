@@ -21,7 +21,8 @@ from engine.types import MemoryFact, MemoryInjection
 
 MEMORY_HEADER = "\n\nWhat you remember about the user:\n"
 DEFAULT_SYSTEM = "You are a helpful assistant."
-_MARK = "\u0000baton-memory-block\u0000"
+RESERVED_MARK = "\u0000baton-memory-block\u0000"  # where the facts go; refused in content
+_MARK = RESERVED_MARK
 
 
 class Renderer(Protocol):
@@ -97,7 +98,9 @@ def composition_salt(injection: MemoryInjection, anchor: Sequence[int]) -> str:
     h.update(f"{injection.user}\x00{injection.model}\x00{injection.window}\x00".encode())
     h.update(token_hash(anchor).encode())
     for f in injection.facts:
-        h.update(f.fact_id.encode() + b"\x00")
+        # a fact's KV depends on the context it was encoded after: when that changes (a
+        # predecessor deleted or added), blocks built from the old encoding must not be hit
+        h.update(f"{f.fact_id}\x00{','.join(f.context_fact_ids)}\x00{token_hash(f.context_ids)}\x00".encode())
     return "baton-mem-" + h.hexdigest()[:32]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -24,6 +25,19 @@ from memory_store.layout import token_hash
 from memory_store.segment_cache import SegmentCache, SegmentKey
 
 logger = logging.getLogger("baton.memory")
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A segment in this replica's cache, with the context facts it was encoded after: a fact's
+    predecessors change only when one is deleted, and then the held segment is stale."""
+
+    segment: KVSegment
+    context: tuple[str, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.segment.nbytes
 
 
 class MemoryUnavailable(RuntimeError):
@@ -54,7 +68,16 @@ class SegmentResolver:
         """Segments covering prompt positions [0, m.end): anchor first, then each fact."""
         anchor = tuple(prompt[: m.anchor_len])
         keys = [anchor_key(anchor, m.model)] + [fact_key(f, m.window, m.model) for f in m.facts]
-        found: dict[SegmentKey, KVSegment] = {k: v for k in keys if (v := self._local.get(k)) is not None}
+        context = {fact_key(f, m.window, m.model): f.context_fact_ids for f in m.facts}
+        found: dict[SegmentKey, KVSegment] = {}
+        for k in keys:
+            held = self._local.get(k)
+            if held is None:
+                continue
+            if held.context != context.get(k, ()):
+                self._local.evict(k)  # a predecessor was deleted since it was encoded
+                continue
+            found[k] = held.segment
         missing = [k for k in keys if k not in found]
         if missing and self._store is not None:
             try:
@@ -62,9 +85,9 @@ class SegmentResolver:
             except Exception as e:  # noqa: BLE001 - the store is a cache here; encode instead
                 logger.warning("memory store lookup failed (%s); encoding locally", type(e).__name__)
                 fetched = {}
-            for k, v in fetched.items():
+            for k, v in fetched.items():  # the store drops segments whose context was deleted
                 found[k] = v
-                self._local.put(k, v)
+                self._local.put(k, _Held(v, context.get(k, ())))
         by_key = {fact_key(f, m.window, m.model): f for f in m.facts}
         todo = [k for k in keys if k not in found]
         if todo:
@@ -97,7 +120,7 @@ class SegmentResolver:
         items = []
         for (key, _, (a, b), ctx), segs in zip(jobs, results):
             out[key] = segs[0]
-            self._local.put(key, segs[0], context=ctx)
+            self._local.put(key, _Held(segs[0], tuple(ctx)))
             self.encoded_tokens += b - a
             items.append((key, segs[0], ctx))
         if self._store is not None and items:

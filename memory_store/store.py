@@ -125,9 +125,12 @@ class MemoryService:
         """Store encoded segments (key, segment, ids of the context facts it was encoded after).
         Segments of facts deleted meanwhile are dropped. Returns how many were stored."""
         fact_ids = {k.fact_id for k, _, _ in items if k.kind == "fact"}
-        alive = {f.id for f in self._db.list_facts(user, limit=1 << 30)} if fact_ids else set()
         stored = 0
         with self._seg_lock:
+            # read which facts are alive under the lock: a delete() drops segments under it
+            # after its database delete, so a fact deleted between this read and the puts below
+            # has its fresh segments dropped right after (read outside, they would outlive it)
+            alive = {f.id for f in self._db.list_facts(user, limit=1 << 30)} if fact_ids else set()
             for key, seg, ctx in items:
                 if key.kind == "fact" and (key.fact_id not in alive or not set(ctx) <= alive):
                     continue

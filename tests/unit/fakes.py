@@ -19,6 +19,9 @@ FakePoolHandle      a pool's DeploymentHandle: options(**kw) returns itself; gen
 FakeDirectory       the conversation directory's handle: route/served/replica_failed/... each have
                     .remote(*args) returning an awaitable, as a DeploymentResponse is. It answers
                     from scripted plans, or from a real DirectoryState with an injected clock.
+FakeMemoryStoreHandle
+                    the memory-store actor's handle: add/list/get/recall/... .remote(*args)
+                    answered by a real MemoryService; it can fail or hang per method.
 """
 from __future__ import annotations
 
@@ -266,3 +269,47 @@ class FakeDirectory:
             assert self._plans, "FakeDirectory has no plan to answer route()"
             return self._plans[min(n, len(self._plans)) - 1]
         return None
+
+
+# ---- the memory store's handle --------------------------------------------------------------------
+
+
+class _StoreMethod:
+    def __init__(self, handle: "FakeMemoryStoreHandle", name: str):
+        self._handle, self._name = handle, name
+
+    def remote(self, *args: Any) -> Awaitable[Any]:
+        self._handle.calls.append((self._name, args))
+        return self._handle._answer(self._name, args)
+
+
+class FakeMemoryStoreHandle:
+    """The memory-store actor's handle (memory_store/deployment.py) as MemoryFrontend uses it:
+    add/list/get/delete/delete_all/recall/get_segments/put_segments each have .remote(*args)
+    returning an awaitable, answered synchronously by a real MemoryService (memory_store/store.py).
+
+    errors  method name -> exception its call raises when awaited (e.g. a dead actor)
+    hang    method names whose call never completes
+    calls   (method, args) of every call, in order
+    """
+
+    def __init__(self, service: Any, *, errors: dict[str, BaseException] | None = None, hang: Sequence[str] = ()):
+        self.service = service
+        self.errors = dict(errors or {})
+        self.hang = set(hang)
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> _StoreMethod:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _StoreMethod(self, name)
+
+    def called(self, method: str) -> list[tuple[Any, ...]]:
+        return [args for name, args in self.calls if name == method]
+
+    async def _answer(self, name: str, args: tuple[Any, ...]) -> Any:
+        if name in self.hang:
+            await asyncio.Event().wait()
+        if name in self.errors:
+            raise self.errors[name]
+        return getattr(self.service, name)(*args)

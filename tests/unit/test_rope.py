@@ -17,7 +17,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kv_transfer.rope import RopeSpec, UnsupportedRope, apply_rope, cos_sin, remove_rope, rope_spec_from_hf_config
+from kv_transfer.rope import (
+    RopeSpec,
+    UnsupportedRope,
+    apply_rope,
+    cos_sin,
+    remove_rope,
+    rope_spec_from_hf_config,
+)
 
 F32 = RopeSpec(head_dim=64, base=100000.0, table_dtype=torch.float32)
 BF16 = RopeSpec(head_dim=64, base=100000.0)  # default table dtype: bf16
@@ -142,8 +149,8 @@ def test_spec_validation() -> None:
 # ---- HF configs ---------------------------------------------------------------------------------
 
 def smollm2_like(**over: object) -> SimpleNamespace:
-    cfg = dict(hidden_size=576, num_attention_heads=9, head_dim=64,
-               rope_parameters={"rope_theta": 100000.0, "rope_type": "default"})
+    cfg = {"hidden_size": 576, "num_attention_heads": 9, "head_dim": 64,
+           "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}
     cfg.update(over)
     return SimpleNamespace(**cfg)
 

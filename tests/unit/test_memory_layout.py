@@ -1,0 +1,181 @@
+"""Where recalled facts go in a chat prompt (memory_store/layout.py) and the invariant of the
+injection it produces (engine/types.py MemoryInjection.check_integrity). FakeTokenizer: one
+token per whitespace-separated word, so every id is predictable."""
+from __future__ import annotations
+
+import pytest
+from fakes import FakeTokenizer
+
+from deployments.chat import PromptRenderer
+from engine.types import MemoryFact, MemoryInjection
+from memory_store.layout import (
+    DEFAULT_SYSTEM,
+    MEMORY_HEADER,
+    RecalledFact,
+    composition_salt,
+    fact_line,
+    memory_prompt,
+)
+
+TOK = FakeTokenizer()
+R = PromptRenderer(TOK)
+MSGS = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "where do I live"}]
+FACTS = (
+    RecalledFact("f1", "User lives in Paris", ("User was born in 1990", "User likes tea"), ("c1", "c2")),
+    RecalledFact("f2", "User  owns\ta cat", (), ()),
+    RecalledFact("f3", "User works at a bakery", ("User lives in Paris",), ("f1",)),
+)
+
+
+def w(word: str) -> int:
+    return TOK.word_id(word)
+
+
+def prompt(messages=MSGS, facts=FACTS, *, user="alice", model="m", window=2, inject=True):
+    return memory_prompt(R, messages, facts, user=user, model=model, window=window, inject=inject)
+
+
+def test_fact_line_normalizes_whitespace() -> None:
+    assert fact_line("  User  owns\ta\ncat ") == "- User owns a cat\n"
+
+
+def test_facts_sit_back_to_back_right_after_the_anchor() -> None:
+    p = prompt()
+    inj = p.injection
+    assert inj is not None and len(inj.facts) == 3
+    ids = p.token_ids
+    # the anchor is the system text and the memory header, ending with its last word
+    assert ids[inj.anchor_len - 1] == w("user:")
+    assert w("terse.") in ids[: inj.anchor_len]
+    pos = inj.anchor_len
+    for placed, f in zip(inj.facts, FACTS):
+        assert placed.fact_id == f.fact_id
+        assert placed.start == pos
+        assert placed.token_ids == tuple(R.text_tokens(fact_line(f.text)))
+        assert ids[pos : pos + len(placed.token_ids)] == placed.token_ids
+        pos += len(placed.token_ids)
+    assert inj.end == pos
+    assert placed.token_ids == (w("-"), w("User"), w("works"), w("at"), w("a"), w("bakery"))
+    # what follows the facts is the rest of the conversation, computed by the engine
+    assert ids[pos] == w("<|im_end|>")
+    assert w("where") in ids[pos:] and w("where") not in ids[:pos]
+    assert ids[-1] == w("<|im_start|>assistant")
+    inj.check_integrity(len(ids))
+    assert (inj.user, inj.model, inj.window) == ("alice", "m", 2)
+
+
+def test_the_same_token_ids_in_kv_and_prompt_mode() -> None:
+    kv, text = prompt(inject=True), prompt(inject=False)
+    assert kv.token_ids == text.token_ids
+    assert text.injection is None and text.cache_salt is None
+    assert kv.injection is not None and kv.cache_salt and kv.cache_salt.startswith("baton-mem-")
+
+
+def test_no_facts_means_no_injection() -> None:
+    p = prompt(facts=())
+    assert p.injection is None and p.cache_salt is None
+    # still the memory-header layout, the same ids as in prompt mode
+    assert p.token_ids == prompt(facts=(), inject=False).token_ids
+    assert w("remember") in p.token_ids
+
+
+def test_a_fact_places_the_same_tokens_wherever_it_sits() -> None:
+    alone = prompt(facts=(FACTS[2],)).injection.facts[0]
+    third = prompt().injection.facts[2]
+    assert alone.token_ids == third.token_ids and alone.start != third.start
+
+
+def test_context_is_the_last_window_context_facts() -> None:
+    f1 = prompt(window=2).injection.facts[0]
+    assert f1.context_fact_ids == ("c1", "c2")
+    assert f1.context_ids == tuple(R.text_tokens(fact_line("User was born in 1990")) + R.text_tokens(fact_line("User likes tea")))
+    one = prompt(window=1).injection.facts[0]
+    assert one.context_fact_ids == ("c2",)
+    assert one.context_ids == tuple(R.text_tokens(fact_line("User likes tea")))
+    assert prompt(window=5).injection.facts[0].context_fact_ids == ("c1", "c2")  # fewer available
+    assert prompt(window=2).injection.facts[1].context_ids == ()  # first of its source
+
+
+def test_window_zero_means_no_context() -> None:
+    inj = prompt(window=0).injection
+    assert inj.window == 0
+    assert all(f.context_ids == () and f.context_fact_ids == () for f in inj.facts)
+
+
+def test_the_users_own_system_message_is_kept_else_the_default() -> None:
+    own = prompt()
+    assert own.token_ids.count(w("<|im_start|>system")) == 1
+    assert w("terse.") in own.token_ids and w("helpful") not in own.token_ids
+    default = prompt(messages=[{"role": "user", "content": "where do I live"}])
+    assert default.token_ids.count(w("<|im_start|>system")) == 1
+    sys_ids = R.text_tokens(DEFAULT_SYSTEM + MEMORY_HEADER)
+    assert default.token_ids[1 : 1 + len(sys_ids)] == tuple(sys_ids)
+    # only the first message counts as the system prompt; a later one stays in the conversation
+    later = prompt(messages=[{"role": "user", "content": "hi"}, {"role": "system", "content": "Be terse."}])
+    assert later.token_ids.count(w("<|im_start|>system")) == 2
+    assert later.token_ids.index(w("Be")) > later.injection.end
+
+
+def test_salt_names_user_facts_window_and_context_and_is_stable() -> None:
+    base = prompt().cache_salt
+    assert prompt().cache_salt == base
+    assert prompt(user="bob").cache_salt != base
+    assert prompt(model="other").cache_salt != base
+    assert prompt(window=1).cache_salt != base
+    assert prompt(facts=FACTS[:2]).cache_salt != base
+    assert prompt(facts=(FACTS[1], FACTS[0], FACTS[2])).cache_salt != base
+    assert prompt(messages=[{"role": "system", "content": "Be kind."}, MSGS[1]]).cache_salt != base
+    # the same fact encoded after another context (a predecessor deleted) is another composition
+    changed = (RecalledFact("f1", FACTS[0].text, ("User likes tea",), ("c2",)), *FACTS[1:])
+    assert prompt(facts=changed).cache_salt != base
+    # the query (after the injected prefix) does not change the composition
+    other_query = [MSGS[0], {"role": "user", "content": "what pet do I have"}]
+    assert prompt(messages=other_query).cache_salt == base
+
+
+def test_salt_function_matches_the_prompt() -> None:
+    p = prompt()
+    assert composition_salt(p.injection, p.token_ids[: p.injection.anchor_len]) == p.cache_salt
+
+
+@pytest.mark.parametrize("where", [0, 1])
+def test_reserved_marker_in_content_is_refused(where: int) -> None:
+    msgs = [dict(m) for m in MSGS]
+    msgs[where]["content"] += "\u0000baton-memory-block\u0000"
+    with pytest.raises(ValueError, match="reserved"):
+        prompt(messages=msgs)
+    with pytest.raises(ValueError, match="reserved"):
+        prompt(messages=msgs, inject=False)
+
+
+# ---- MemoryInjection.check_integrity --------------------------------------------------------------
+
+def fact(fid: str, start: int, n: int) -> MemoryFact:
+    return MemoryFact(fid, start, tuple(range(10, 10 + n)))
+
+
+def injection(anchor: int, *facts: MemoryFact) -> MemoryInjection:
+    return MemoryInjection(user="u", anchor_len=anchor, facts=facts, window=0, model="m")
+
+
+def test_integrity_accepts_a_tiling_that_leaves_a_token() -> None:
+    inj = injection(5, fact("a", 5, 3), fact("b", 8, 2))
+    assert inj.end == 10
+    inj.check_integrity(11)
+
+
+@pytest.mark.parametrize(
+    "inj,prompt_len,match",
+    [
+        (injection(5, fact("a", 5, 3), fact("b", 9, 2)), 20, "does not continue"),  # gap
+        (injection(5, fact("a", 5, 3), fact("b", 7, 2)), 20, "does not continue"),  # overlap
+        (injection(5, fact("a", 6, 3)), 20, "does not continue"),  # gap after the anchor
+        (injection(5, fact("a", 5, 0)), 20, "does not continue"),  # empty fact
+        (injection(5, fact("a", 5, 3), fact("b", 8, 2)), 10, "leave a token"),  # reaches the end
+        (injection(5, fact("a", 5, 3)), 7, "leave a token"),  # past the end
+        (injection(0, fact("a", 0, 3)), 10, "anchor"),  # no anchor
+    ],
+)
+def test_integrity_rejects(inj: MemoryInjection, prompt_len: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        inj.check_integrity(prompt_len)
