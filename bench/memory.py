@@ -190,7 +190,7 @@ async def _main(quick: bool, out_dir: Path) -> dict[str, Any]:
         raise SystemExit(f"LoCoMo data not found at {LOCOMO}")
     model_path = resolve_model_path("SmolLM2-135M-Instruct", str(ROOT / ".cache" / "models"))
     convs = ["conv-26"] if quick else ["conv-26", "conv-30", "conv-41"]
-    n_q, reps, concurrency = (6, 2, 4) if quick else (12, 2, 8)
+    n_q, reps, concurrency = (10, 2, 4) if quick else (12, 2, 8)
     renderer = _Renderer(model_path)
     tmp = Path(tempfile.mkdtemp(prefix="baton-bench-memory-"))
     svc = MemoryService(MemoryConfig(max_k=64), FactStore(tmp / "facts.sqlite3"), MiniLMEmbedder())
@@ -214,6 +214,7 @@ async def _main(quick: bool, out_dir: Path) -> dict[str, Any]:
 
 async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, list[Any]]], quick: bool,
                    convs: list[str], n_q: int, reps: int, concurrency: int, out_dir: Path) -> dict[str, Any]:
+    from kv_transfer.segments import process_segments
     from memory_store.resolver import SegmentResolver
 
     resolver = SegmentResolver(runner, store=None, local_capacity_bytes=4 << 30)
@@ -230,11 +231,14 @@ async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, 
             cases += cs
             enc_s += e
         cases_k[k] = cases
+        st = process_segments().stats
+        n0, s0 = st.injections, st.load_seconds
         ttft = await _ttft(runner, cases, reps)
-        by_k[k] = {"ttft": ttft, "encode_s": enc_s}
+        load_ms = 1000 * (st.load_seconds - s0) / max(1, st.injections - n0)
+        by_k[k] = {"ttft": ttft, "encode_s": enc_s, "mean_load_ms": load_ms}
         print(f"[memory] k={k:>2}: prompt {ttft['mean_prompt_tokens']:.0f} tokens; TTFT p50 prompt {ttft['prompt']['p50_s'] * 1000:.0f} ms "
               f"vs kv {ttft['kv']['p50_s'] * 1000:.0f} ms (p95 {ttft['prompt']['p95_s'] * 1000:.0f} vs {ttft['kv']['p95_s'] * 1000:.0f}); "
-              f"kv cached {ttft['kv']['mean_cached_tokens']:.0f}; encode {enc_s:.1f}s")
+              f"kv cached {ttft['kv']['mean_cached_tokens']:.0f}, load {load_ms:.0f} ms; encode {enc_s:.1f}s")
     for k in (KS[0], KS[-1]):
         by_k[k]["throughput"] = await _throughput(runner, cases_k[k], concurrency, 16)
         t = by_k[k]["throughput"]

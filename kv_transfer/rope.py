@@ -127,12 +127,18 @@ class Rotator:
             self._op = None
 
     def apply(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Position-free keys [L, T, H, D] → fp32 keys at `positions` [T] for every layer."""
+        """Position-free keys [L, T, H, D] → fp32 keys at `positions` [T] for every layer (a copy)."""
+        return self.apply_(keys.to(torch.float, copy=True).contiguous(), positions)
+
+    def apply_(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """In place on contiguous fp32 keys [L, T, H, D]; returns them."""
+        if keys.dtype != torch.float or not keys.is_contiguous():
+            raise ValueError("apply_ needs contiguous fp32 keys")
         if int(positions.max()) >= self._table.shape[0]:
             raise ValueError(f"position {int(positions.max())} beyond the rope table ({self._table.shape[0]})")
         if self._op is None:
-            return apply_rope(keys, positions, self.spec)
+            keys.copy_(apply_rope(keys, positions, self.spec))
+            return keys
         layers, t, h, d = keys.shape
-        out = keys.to(torch.float, copy=True).reshape(layers * t, h * d)
-        self._op(positions.repeat(layers), out, None, d, self._table, self.spec.style == "neox")
-        return out.view(layers, t, h, d)
+        self._op(positions.repeat(layers), keys.view(layers * t, h * d), None, d, self._table, self.spec.style == "neox")
+        return keys

@@ -64,6 +64,17 @@ class Injection:
     def end(self) -> int:
         return len(self.token_ids)
 
+    def copy_range(self, start: int, end: int, keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
+        """Copy pre-RoPE keys and values of injected positions [start, end) into [L, end-start, H, D]
+        tensors (the caller's reusable buffers: no allocation per request)."""
+        pos = 0
+        for s in self.segments:
+            lo, hi = max(start, pos), min(end, pos + s.num_tokens)
+            if lo < hi:
+                keys_out[:, lo - start : hi - start] = s.keys[:, lo - pos : hi - pos]
+                values_out[:, lo - start : hi - start] = s.values[:, lo - pos : hi - pos]
+            pos += s.num_tokens
+
     def kv_range(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-RoPE keys and values [L, end-start, H, D] of injected positions [start, end)."""
         keys, values, pos = [], [], 0
@@ -84,6 +95,7 @@ class SegmentStats:
 
     injections: int = 0
     injected_tokens: int = 0
+    load_seconds: float = 0.0  # time spent laying segments into the paged cache
     load_failures: int = 0
     unavailable: int = 0  # asked to inject but the segments were missing or did not match
     captures: int = 0
