@@ -46,3 +46,14 @@ echo "[demo] application healthy after $(( $(date +%s) - T0 )) s"
 
 echo "[demo] replaying $TRACE"
 python -m baton replay "$TRACE" --url "$URL" --concurrency 4 --out "$OUT"
+
+echo "[demo] memories: store two facts for user 'demo', then ask with memories recalled as KV"
+curl -sf -X DELETE "$URL/v1/memories?user=demo" >/dev/null
+curl -sf -X POST "$URL/v1/memories" -H 'content-type: application/json' \
+  -d '{"user": "demo", "facts": ["My dog is a beagle called Biscuit.", "I live in Porto and work as a baker."]}' >/dev/null
+curl -sf "$URL/v1/chat/completions" -H 'content-type: application/json' \
+  -d '{"messages": [{"role": "user", "content": "What is my dog called?"}], "user": "demo",
+       "memories": {"k": 2}, "max_tokens": 24, "temperature": 0}' \
+  | python -c 'import json, sys; r = json.load(sys.stdin); u = r["usage"]
+print("[demo] answer:", r["choices"][0]["message"]["content"].strip())
+print("[demo] prompt tokens", u["prompt_tokens"], "of which injected or cached", u["prompt_tokens_details"]["cached_tokens"])'
