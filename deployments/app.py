@@ -89,7 +89,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     def spec(role: str, pool: PoolConfig) -> EngineSpec:
         on_gpu = pool.resources.num_gpus > 0
         return build_engine_spec(pool.engine, role=role, policy=cfg.routing.policy, model_path=model_path, on_gpu=on_gpu,  # type: ignore[arg-type]
-                                 cache_root=cache_root, segments=cfg.memory is not None)
+                                 cache_root=cache_root, segments=cfg.memory is not None or cfg.realtime is not None)
 
     r = cfg.routing
     directory = ConversationDirectoryDeployment.bind(
@@ -124,6 +124,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         disaggregated=r.disaggregated,
         api_keys_env=cfg.ingress.api_keys_env,
         memory=cfg.memory,
+        realtime=cfg.realtime,
     )
     return Ingress.options(
         num_replicas=cfg.ingress.num_replicas,

@@ -31,9 +31,18 @@ class PromptRenderer:
     def chat_tokens(self, messages: list[ChatMessage]) -> list[int]:
         return self.text_tokens(self.chat_text(template_messages(messages)))
 
-    def chat_text(self, messages: list[dict[str, Any]]) -> str:
-        """The chat template applied to template messages (role, content), with the generation prompt."""
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def chat_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to template messages (role, content)."""
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def turn_text(self, system: str, user: str) -> str:
+        """The template's text for one more user turn (and the assistant's cue) after a system
+        message: what a real-time tick appends to its session."""
+        head = self.chat_text([{"role": "system", "content": system}], add_generation_prompt=False)
+        full = self.chat_text([{"role": "system", "content": system}, {"role": "user", "content": user}])
+        if not full.startswith(head):
+            raise ValueError("the chat template does not render turns incrementally")
+        return full[len(head):]
 
     def text_tokens(self, text: str) -> list[int]:
         return list(self._tok(text, add_special_tokens=False)["input_ids"])

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from memory_store.config import MemoryConfig
+from router.admission import AdmissionConfig
 
 from engine.checkpoints.config import CheckpointConfig
 
@@ -116,6 +117,20 @@ class RoutingConfig(_Strict):
         return self.policy in ("conversation", "per_turn_pd")
 
 
+class RealtimeConfig(_Strict):
+    """Real-time tick sessions (Metronome) on the decode pool: WebSocket /v1/realtime."""
+
+    mode: Literal["bounded", "unbounded"] = Field(
+        "bounded", description="bounded: sink + window KV per session (constant memory); unbounded: the whole history")
+    sink_tokens: int = Field(16, ge=0, le=1024, description="S: the session's first tokens, kept for its life")
+    window_tokens: int = Field(256, ge=1, le=8192, description="W: the most recent tokens kept")
+    max_tokens_per_tick: int = Field(16, ge=1, le=512, description="reply tokens per tick (a session may ask for fewer)")
+    tick_ms: int = Field(1000, ge=10, le=60_000, description="default tick period")
+    max_input_chars: int = Field(4000, ge=1, description="longest input chunk accepted per tick")
+    idle_timeout_s: float = Field(300.0, gt=0, description="a session that sends nothing this long is closed")
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="AIMD cap on live sessions per ingress")
+
+
 class AppConfig(_Strict):
     name: str = "baton"
     model_cache: str = Field(".cache/models", description="folder that holds provisioned models (relative to the cwd)")
@@ -124,6 +139,7 @@ class AppConfig(_Strict):
     prefill: PoolConfig | None = Field(None, description="prefill-heavy pool (KV producers); none (or 0 replicas) for colocated/round_robin")
     decode: PoolConfig = Field(..., description="decode pool (KV consumers; the unified pool when not disaggregated)")
     memory: MemoryConfig | None = Field(None, description="per-user memory facts (InferScale); none: /v1/memories is off")
+    realtime: RealtimeConfig | None = Field(None, description="real-time tick sessions (Metronome); none: /v1/realtime is off")
 
     @model_validator(mode="after")
     def _consistent(self) -> "AppConfig":

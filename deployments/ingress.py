@@ -8,6 +8,7 @@ from typing import Any
 
 from ray import serve
 
+from deployments.config import RealtimeConfig
 from memory_store.config import MemoryConfig
 
 from deployments.backend import PoolBackend
@@ -15,6 +16,7 @@ from deployments.chat import PromptRenderer
 from deployments.frontend import OpenAIFrontend
 from deployments.memory_api import MemoryFrontend
 from deployments.metrics import ServeIngressMetrics
+from deployments.realtime_api import RealtimeFrontend, ServeRealtimeMetrics
 from deployments.openai_api import api_keys_from_env, build_openai_app
 
 
@@ -27,6 +29,7 @@ class IngressSettings:
     disaggregated: bool  # the policy prefills on the prefill pool
     api_keys_env: str | None = None  # environment variable with the API keys (None: no auth)
     memory: MemoryConfig | None = None  # the memory store's settings (None: no memories)
+    realtime: RealtimeConfig | None = None  # real-time sessions (None: no /v1/realtime)
 
 
 @serve.deployment(name="ingress")
@@ -40,6 +43,9 @@ class Ingress:
         self._memory = None
         if settings.memory is not None and memory_store is not None:
             self._memory = MemoryFrontend(settings.memory, memory_store, renderer, settings.model_id, encoder=decode)
+        self._realtime = None
+        if settings.realtime is not None:
+            self._realtime = RealtimeFrontend(settings.realtime, decode, directory, renderer, ServeRealtimeMetrics())
         self._frontend = OpenAIFrontend(
             model_id=settings.model_id,
             renderer=renderer,
@@ -54,7 +60,7 @@ class Ingress:
             ingress_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside Serve
             ingress_id = None
-        return build_openai_app(self._frontend, self._health, self._stats, ingress_id, self._api_keys, self._memory)
+        return build_openai_app(self._frontend, self._health, self._stats, ingress_id, self._api_keys, self._memory, self._realtime)
 
     async def _stats(self) -> dict[str, Any]:
         return await asyncio.wait_for(self._directory.snapshot.remote(), timeout=5.0)

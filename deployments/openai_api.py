@@ -8,7 +8,7 @@ import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deployments.errors import APIError, bad_request
 from deployments.frontend import OpenAIFrontend
 from deployments.memory_api import USER_HEADER, MemoryFrontend, resolve_user
+from deployments.realtime_api import CLOSE_POLICY, RealtimeFrontend
 from deployments.protocol import SESSION_ID_MAX, AddMemoriesRequest, ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger("baton.api")
@@ -94,6 +95,7 @@ def build_openai_app(
     ingress_id: str | None = None,
     api_keys: Mapping[str, str | None] | None = None,
     memory: MemoryFrontend | None = None,
+    realtime: RealtimeFrontend | None = None,
 ) -> FastAPI:
     app = FastAPI(title="Baton", description="OpenAI-compatible conversation serving on Ray Serve", version="0.1.0")
 
@@ -168,6 +170,16 @@ def build_openai_app(
 
     if memory is not None:
         _memory_routes(app, memory)
+
+    if realtime is not None:
+
+        @app.websocket("/v1/realtime")
+        async def realtime_session(ws: WebSocket) -> None:
+            # HTTP middleware does not see WebSocket handshakes: check the key here
+            if api_keys and not authenticate(ws.headers.get("authorization"), api_keys)[0]:
+                await ws.close(CLOSE_POLICY, reason="invalid or missing API key")
+                return
+            await realtime.serve(ws)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

@@ -12,8 +12,10 @@ from ray import serve
 from ray.serve import metrics
 
 from engine.args import EngineSpec
+from engine.realtime.manager import RealtimeSessions, UnknownSession
+from engine.realtime.messages import RealtimeClose, RealtimeOpen, RealtimeTick, TickResult
 from engine.runner import EngineRunner
-from engine.types import EngineStats, EngineUnavailable, GenerationDelta, GenerationRequest
+from engine.types import EngineRequestError, EngineStats, EngineUnavailable, GenerationDelta, GenerationRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -34,6 +36,9 @@ class EngineReplica:
             from memory_store.resolver import SegmentResolver
 
             self._resolver = SegmentResolver(self._runner, memory_store, memory_cache_bytes)
+        self._realtime = RealtimeSessions(self._runner)
+        self._rt_sessions = metrics.Gauge("baton_realtime_sessions", "live real-time sessions on this replica")
+        self._rt_kv_bytes = metrics.Gauge("baton_realtime_held_kv_bytes", "host bytes of sink + window KV held for bounded sessions")
         self._memory_counter = metrics.Counter(
             "baton_memory_requests", "requests carrying memory KV, by outcome (injected | recomputed)", tag_keys=("outcome",))
         # Serve adds deployment (= pool) and replica tags to every metric
@@ -74,6 +79,27 @@ class EngineReplica:
             return 0
         segs = await self._resolver.resolve(prompt_token_ids, memory)
         return len(segs)
+
+    # ---- real-time sessions (engine/realtime/) ----------------------------------------------
+    async def realtime_open(self, msg: RealtimeOpen) -> str:
+        """Open a session on this replica; returns this replica's id (the session's pin)."""
+        self._realtime.open(msg)
+        self._rt_sessions.set(len(self._realtime))
+        return self._replica_id
+
+    async def realtime_tick(self, msg: RealtimeTick) -> TickResult:
+        try:
+            result = await self._realtime.tick(msg)
+        except UnknownSession:
+            raise EngineRequestError(f"session {msg.session_id!r} is not open on this replica") from None
+        self._rt_kv_bytes.set(self._realtime.held_kv_bytes())
+        return replace(result, replica=self._replica_id)
+
+    async def realtime_close(self, msg: RealtimeClose) -> bool:
+        closed = self._realtime.close(msg.session_id)
+        self._rt_sessions.set(len(self._realtime))
+        self._rt_kv_bytes.set(self._realtime.held_kv_bytes())
+        return closed
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Called by Serve every routing_stats_period_s; also pushes the same figures to the

@@ -29,6 +29,12 @@ class RealtimeTick:
 
 
 @dataclass(frozen=True)
+class RealtimeClose:
+    session_id: str
+    target_replica: str | None = None
+
+
+@dataclass(frozen=True)
 class TickResult:
     """What one tick produced, measured at the replica."""
 

@@ -1,0 +1,235 @@
+"""WebSocket /v1/realtime: real-time tick sessions (Metronome) at the ingress.
+
+Protocol (JSON text frames):
+  client → {"type": "session.start", "instructions"?: str, "mode"?: "bounded"|"unbounded",
+            "max_tokens"?: int, "tick_ms"?: int, "deadline_ms"?: int}
+  server → {"type": "session.started", "session_id", "mode", "sink_tokens", "window_tokens", "tick_ms", "deadline_ms"}
+  client → {"type": "input", "seq": int, "text": str}          (one per tick)
+  server → {"type": "output", "seq", "text", "server_ms", "prompt_tokens", "computed_tokens", "kv_tokens"}
+  client → {"type": "session.end"}                             → server closes with 1000
+Errors are {"type": "error", "code", "message", "retry_after_s"?} frames; a frame that is not
+JSON text closes with 1007, a malformed one with 1008, a refused session (AIMD cap reached) with
+1013 "try again later" after an error frame carrying retry_after_s, a dead engine with 1011.
+
+A session is pinned to one decode replica for its life (chosen by the conversation directory,
+like a conversation's first turn). Inputs are served in order: a tick that runs late delays the
+next, and the lateness is what the client sees — the server does not drop or reorder ticks.
+The AIMD controller (router/admission.py) observes every tick's latency at this ingress and
+caps this ingress's live sessions.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from typing import Any, Protocol
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from deployments.backend import translate_error
+from engine.realtime.messages import RealtimeClose, RealtimeOpen, RealtimeTick
+from engine.types import EngineRequestError
+from router.admission import AIMDController
+
+logger = logging.getLogger("baton.realtime")
+
+CLOSE_NORMAL, CLOSE_BAD_DATA, CLOSE_POLICY, CLOSE_INTERNAL, CLOSE_TRY_LATER = 1000, 1007, 1008, 1011, 1013
+_BOUNDARIES_S = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]
+
+
+class FrameError(ValueError):
+    def __init__(self, code: str, message: str, close: int = CLOSE_POLICY):
+        super().__init__(message)
+        self.code, self.close = code, close
+
+
+class RealtimeMetrics(Protocol):
+    def tick(self, seconds: float, late: bool) -> None: ...
+    def sessions(self, live: int, cap: int) -> None: ...
+    def refused(self) -> None: ...
+
+
+class ServeRealtimeMetrics:
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        self._tick = metrics.Histogram("baton_realtime_tick_seconds", "per-tick latency at the ingress (input frame to output frame)",
+                                       boundaries=_BOUNDARIES_S)
+        self._late = metrics.Counter("baton_realtime_server_late_ticks",
+                                     "ticks the server itself saw exceed the deadline (a lower bound: the client's truth includes queueing and lost frames)")
+        self._live = metrics.Gauge("baton_realtime_live_sessions", "live real-time sessions at this ingress")
+        self._cap = metrics.Gauge("baton_realtime_session_cap", "AIMD admission cap at this ingress")
+        self._refused = metrics.Counter("baton_realtime_refused_sessions", "sessions refused by admission control")
+
+    def tick(self, seconds: float, late: bool) -> None:
+        self._tick.observe(seconds)
+        if late:
+            self._late.inc()
+
+    def sessions(self, live: int, cap: int) -> None:
+        self._live.set(live)
+        self._cap.set(cap)
+
+    def refused(self) -> None:
+        self._refused.inc()
+
+
+def parse_frame(msg: dict[str, Any]) -> dict[str, Any]:
+    """A WebSocket receive() message → a JSON object, or FrameError (1007: not JSON text)."""
+    text = msg.get("text")
+    if text is None:
+        raise FrameError("invalid_frame", "frames must be JSON text, not binary", CLOSE_BAD_DATA)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FrameError("invalid_frame", f"frame is not valid JSON: {e}", CLOSE_BAD_DATA) from None
+    if not isinstance(data, dict) or not isinstance(data.get("type"), str):
+        raise FrameError("invalid_frame", "a frame is a JSON object with a string `type`")
+    return data
+
+
+def _int(data: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    v = data.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise FrameError("invalid_value", f"`{key}` must be an integer in [{lo}, {hi}]")
+    return v
+
+
+class RealtimeFrontend:
+    def __init__(self, cfg: Any, decode: Any, directory: Any, renderer: Any, metrics: RealtimeMetrics | None = None):
+        self._cfg = cfg
+        self._decode = decode
+        self._directory = directory
+        self._renderer = renderer
+        self._metrics = metrics
+        self._ctl = AIMDController(cfg.admission, now=time.monotonic())
+        self._live = 0
+
+    @property
+    def controller(self) -> AIMDController:
+        return self._ctl
+
+    async def serve(self, ws: WebSocket) -> None:
+        await ws.accept()
+        try:
+            start = parse_frame(await ws.receive())
+            if start["type"] != "session.start":
+                raise FrameError("invalid_frame", "the first frame must be session.start")
+            open_msg, timing = self._open_message(start)
+        except FrameError as e:
+            await _fail(ws, e.code, str(e), e.close)
+            return
+        except WebSocketDisconnect:
+            return
+        admission = self._ctl.can_admit(self._live)
+        if not admission.admitted:
+            if self._metrics:
+                self._metrics.refused()
+            await _fail(ws, "session_limit", admission.describe(), CLOSE_TRY_LATER, retry_after_s=admission.retry_after_s)
+            return
+        self._live += 1
+        self._report()
+        replica = None
+        try:
+            target = await self._place(open_msg)
+            replica = await self._decode.realtime_open.remote(dataclasses.replace(open_msg, target_replica=target))
+            await ws.send_json({"type": "session.started", "session_id": open_msg.session_id, "mode": open_msg.mode,
+                                "sink_tokens": open_msg.sink_tokens, "window_tokens": open_msg.window_tokens, **timing})
+            await self._ticks(ws, open_msg.session_id, replica, timing["deadline_ms"] / 1000)
+        except WebSocketDisconnect:
+            pass
+        except FrameError as e:
+            await _fail(ws, e.code, str(e), e.close)
+        except Exception as e:  # noqa: BLE001 - engine or Ray failure: tell the client, log, close
+            err = translate_error(e)
+            logger.warning("real-time session %s ended: %s", open_msg.session_id, type(err).__name__)
+            await _fail(ws, "engine_unavailable", f"the engine serving this session failed: {err}", CLOSE_INTERNAL)
+        finally:
+            self._live -= 1
+            self._report()
+            if replica is not None:
+                self._decode.realtime_close.remote(RealtimeClose(open_msg.session_id, replica))
+
+    def _open_message(self, start: dict[str, Any]) -> tuple[RealtimeOpen, dict[str, int]]:
+        cfg = self._cfg
+        mode = start.get("mode", cfg.mode)
+        if mode not in ("bounded", "unbounded"):
+            raise FrameError("invalid_value", "`mode` must be bounded or unbounded")
+        instructions = start.get("instructions", "You are a real-time assistant. Reply briefly.")
+        if not isinstance(instructions, str) or len(instructions) > cfg.max_input_chars:
+            raise FrameError("invalid_value", f"`instructions` must be a string of at most {cfg.max_input_chars} characters")
+        max_tokens = _int(start, "max_tokens", cfg.max_tokens_per_tick, 1, cfg.max_tokens_per_tick)
+        tick_ms = _int(start, "tick_ms", cfg.tick_ms, 10, 60_000)
+        deadline_ms = _int(start, "deadline_ms", tick_ms, 10, 600_000)
+        preamble = tuple(self._renderer.text_tokens(
+            self._renderer.chat_text([{"role": "system", "content": instructions}], add_generation_prompt=False)))
+        msg = RealtimeOpen(session_id=f"rt-{uuid.uuid4().hex}", mode=mode, preamble_ids=preamble,
+                           sink_tokens=cfg.sink_tokens, window_tokens=cfg.window_tokens, max_tokens=max_tokens)
+        return msg, {"tick_ms": tick_ms, "deadline_ms": deadline_ms}
+
+    async def _place(self, msg: RealtimeOpen) -> str | None:
+        if self._directory is None:
+            return None
+        try:
+            plan = await asyncio.wait_for(self._directory.route.remote(msg.session_id, None, len(msg.preamble_ids)), 5.0)
+            return plan.decode_replica
+        except Exception as e:  # noqa: BLE001 - advisory: place by load
+            logger.warning("directory could not place a real-time session (%s)", type(e).__name__)
+            return None
+
+    async def _ticks(self, ws: WebSocket, session_id: str, replica: str, deadline_s: float) -> None:
+        while True:
+            data = parse_frame(await ws.receive())
+            if data["type"] == "session.end":
+                await ws.close(CLOSE_NORMAL)
+                return
+            if data["type"] != "input":
+                raise FrameError("invalid_frame", f"unexpected frame type {data['type']!r} (input or session.end)")
+            seq = _int(data, "seq", -1, 0, 1 << 31)
+            text = data.get("text")
+            if not isinstance(text, str) or len(text) > self._cfg.max_input_chars:
+                raise FrameError("invalid_value", f"`text` must be a string of at most {self._cfg.max_input_chars} characters")
+            t0 = time.monotonic()
+            # each input is one user turn of the chat template; the reply is the assistant's turn
+            turn = self._renderer.text_tokens(self._renderer.turn_text("-", text))
+            tick = RealtimeTick(session_id, seq, tuple(turn), target_replica=replica)
+            try:
+                result = await self._decode.realtime_tick.remote(tick)
+            except Exception as e:  # noqa: BLE001
+                err = translate_error(e)
+                if isinstance(err, EngineRequestError):
+                    await ws.send_json({"type": "error", "seq": seq, "code": "tick_rejected", "message": str(err)})
+                    continue
+                raise err from None
+            now = time.monotonic()
+            latency = now - t0
+            self._ctl.observe(latency, now)
+            self._ctl.update(now, self._live)
+            if self._metrics:
+                self._metrics.tick(latency, latency > deadline_s)
+            self._report()
+            if result.error:
+                await ws.send_json({"type": "error", "seq": seq, "code": "tick_failed", "message": result.error})
+                continue
+            await ws.send_json({"type": "output", "seq": seq, "text": result.text, "server_ms": round(latency * 1000, 1),
+                                "prompt_tokens": result.prompt_tokens, "computed_tokens": result.computed_tokens,
+                                "kv_tokens": result.kv_peak_tokens})
+
+    def _report(self) -> None:
+        if self._metrics:
+            self._metrics.sessions(self._live, self._ctl.cap)
+
+
+async def _fail(ws: WebSocket, code: str, message: str, close: int, retry_after_s: float | None = None) -> None:
+    body: dict[str, Any] = {"type": "error", "code": code, "message": message}
+    if retry_after_s is not None:
+        body["retry_after_s"] = retry_after_s
+    try:
+        await ws.send_json(body)
+        await ws.close(close, reason=message[:120])
+    except Exception:  # noqa: BLE001 - the client is gone
+        pass
+
