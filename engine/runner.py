@@ -306,8 +306,10 @@ class EngineRunner:
             self._stats = EngineStats(in_flight=in_flight, steps=steps)
             return
         requests = list(sched.running) + list(sched.waiting)
+        usage = float(sched.kv_cache_manager.usage)
         self._stats = EngineStats(
-            kv_usage=float(sched.kv_cache_manager.usage),
+            kv_usage=usage,
+            kv_resident=max(usage, _cached_fraction(sched)),
             kv_capacity_tokens=self._kv_capacity_tokens,
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
@@ -337,6 +339,16 @@ def _coalesce(item: Any, pending: asyncio.Queue) -> Any:
             replica=item.replica or nxt.replica,
         )
     return item
+
+
+def _cached_fraction(sched: Any) -> float:
+    """Blocks holding prefix-cached KV (in use or free for reuse) over the pool: what a session's
+    retained history occupies even between its requests."""
+    try:
+        pool = sched.kv_cache_manager.block_pool
+        return min(1.0, len(pool.cached_block_hash_to_block) / max(1, pool.num_gpu_blocks - 1))
+    except (AttributeError, TypeError):
+        return 0.0
 
 
 def _kv_capacity_tokens(sched: Any) -> int:

@@ -96,6 +96,7 @@ class EngineStats:
     """A snapshot the engine thread publishes after every step; read by routers and metrics."""
 
     kv_usage: float = 0.0
+    kv_resident: float = 0.0  # fraction of the pool holding KV: in use, or cached for reuse (max of the two)
     kv_capacity_tokens: int = 0
     num_running: int = 0
     num_waiting: int = 0
@@ -108,6 +109,7 @@ class EngineStats:
     def as_routing_stats(self) -> dict[str, Any]:
         return {
             "kv_usage": self.kv_usage,
+            "kv_resident": self.kv_resident,
             "kv_capacity_tokens": self.kv_capacity_tokens,
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,

@@ -12,11 +12,13 @@ from ray import serve
 from ray.serve import metrics
 
 from router.directory_state import DirectorySettings, DirectoryState
+from router.cliff import OccupancyTracker
 from router.policy import TurnPlan
 
 logger = logging.getLogger("ray.serve")
 
 EXPIRY_PERIOD_S = 5.0
+CLIFF_WINDOW_S = 60.0
 
 
 class ConversationDirectory:
@@ -29,6 +31,11 @@ class ConversationDirectory:
         self._occupancy = metrics.Gauge("baton_decoder_kv_usage", "KV occupancy of each decode replica", tag_keys=("decoder",))
         self._pinned = metrics.Gauge("baton_decoder_pinned_conversations", "conversations pinned to each decode replica", tag_keys=("decoder",))
         self._kv_in = metrics.Gauge("baton_decoder_kv_bytes_received", "KV bytes a decode replica pulled over NIXL (its connector's count)", tag_keys=("decoder",))
+        self._eta = metrics.Gauge(
+            "baton_decoder_kv_saturation_eta_seconds",
+            "predicted seconds until a decode replica's KV pool is full (fit of rho(t) = rho0 + N r t over the last minute; -1: not filling)",
+            tag_keys=("decoder",))
+        self._trackers: dict[str, OccupancyTracker] = {}
         self._kv_transfers = metrics.Gauge("baton_decoder_kv_transfers_received", "KV transfers a decode replica completed (its connector's count)", tag_keys=("decoder",))
 
     def _ensure_expiry(self) -> None:
@@ -52,6 +59,11 @@ class ConversationDirectory:
             self._pinned.set(self._state.pinned_counts().get(replica_id, 0), tags=tags)
             self._kv_in.set(float(stats.get("kv_bytes_received", 0)), tags=tags)
             self._kv_transfers.set(float(stats.get("kv_transfers_received", 0)), tags=tags)
+            now = time.monotonic()
+            tracker = self._trackers.setdefault(replica_id, OccupancyTracker(window_s=CLIFF_WINDOW_S))
+            tracker.add(now, min(1.0, max(0.0, float(stats.get("kv_resident", stats.get("kv_usage", 0.0))))))
+            forecast = tracker.forecast(now)
+            self._eta.set(max(0.0, forecast.eta_s) if forecast is not None else -1.0, tags=tags)
 
     async def route(self, session_id: str | None, user: str | None, prompt_tokens: int) -> TurnPlan:
         self._ensure_expiry()
