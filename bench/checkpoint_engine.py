@@ -58,7 +58,7 @@ def _run(mode: str, ckpt: dict[str, Any] | None, prompts: list[list[int]], max_t
             res["metrics"] = asdict(sched.checkpoint_metrics())
             res["plans"] = [list(st.plan.positions) for st in sched.checkpoint_policy.families.values()]
         out.put(res)
-    except BaseException as e:  # reported to the parent, which raises
+    except BaseException as e:  # noqa: BLE001 -- reported to the parent, which raises
         import traceback
 
         out.put({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"})

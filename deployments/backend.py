@@ -14,7 +14,8 @@ from typing import Any
 from ray import exceptions as ray_exceptions
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from engine.types import EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
+from engine.types import ConversationNotFound, EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
+from router.directory_state import ForeignConversation
 
 logger = logging.getLogger("ray.serve")
 
@@ -95,6 +96,8 @@ class PoolBackend:
                 self._directory.route.remote(request.session_id, request.user, len(request.prompt_token_ids)), DIRECTORY_TIMEOUT_S
             )
         except Exception as e:  # noqa: BLE001 - the directory is advice; serving goes on without it
+            if isinstance(getattr(e, "cause", None) or e, ForeignConversation):
+                raise ConversationNotFound(request.session_id) from None
             logger.warning("conversation directory could not place %s (%s); placing by load", request.request_id, type(e).__name__)
             return None, False, None
         turn = plan.turn_index if request.session_id else None

@@ -25,7 +25,7 @@ from deployments.protocol import (
     completion_response,
     usage,
 )
-from engine.types import EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
+from engine.types import ConversationNotFound, EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
 from memory_store.layout import MemoryPrompt
 
 logger = logging.getLogger("baton.api")
@@ -233,6 +233,8 @@ class OpenAIFrontend:
             raise unavailable(str(e)) from None
         except EngineRequestError as e:
             raise bad_request(f"the engine rejected the request: {e}", code="engine_rejected") from None
+        except ConversationNotFound:
+            raise APIError(404, "no such conversation for this user", param="session_id", code="conversation_not_found") from None
         finally:
             aclose = getattr(gen, "aclose", None)
             if aclose is not None:

@@ -124,3 +124,8 @@ class EngineUnavailable(RuntimeError):
 
 class EngineRequestError(ValueError):
     """The engine rejected one request (bad parameters); the ingress answers 400 with this reason."""
+
+
+class ConversationNotFound(LookupError):
+    """The session id is not a conversation of this user; the ingress answers 404 (the same
+    answer whether it belongs to someone else or to nobody)."""

@@ -15,6 +15,10 @@ from typing import Any
 from router.policy import DISAGGREGATED, DecoderView, NoReplicaAvailable, PlacementWeights, Policy, TurnPlan, plan_turn
 
 
+class ForeignConversation(LookupError):
+    """The session id names a conversation opened by another user (answered like an unknown one)."""
+
+
 @dataclass(frozen=True)
 class ReplicaReport:
     replica_id: str
@@ -92,10 +96,15 @@ class DirectoryState:
     # ---- turns ----------------------------------------------------------------------------
     def route(self, session_id: str | None, user: str | None, prompt_tokens: int, now: float) -> TurnPlan:
         """Plan a turn and record it: the pin is created (or moved) before the turn runs, so two
-        ingress replicas asking at once for one new conversation get the same decoder."""
+        ingress replicas asking at once for one new conversation get the same decoder.
+        Raises ForeignConversation when the session id is pinned for another user."""
         s = self.settings
         session_id = session_id or None
         pin = self._pins.get(session_id) if session_id else None
+        if pin is not None and pin.user != user:
+            # a conversation belongs to the user who opened it; to anyone else it does not exist
+            self.totals["foreign_session_refused"] += 1
+            raise ForeignConversation(session_id)
         plan = plan_turn(
             s.policy,
             pinned=pin.decoder if pin else None,

@@ -63,7 +63,7 @@ def dyadic(length: int, budget: int, block_size: int, depths=None, probs=None) -
     while k <= n:
         powers.append(k * block_size)
         k *= 2
-    return _finish("dyadic", powers[len(powers) - budget:] if budget > 0 else [], max(budget, 0), block_size, depths, probs)
+    return _finish("dyadic", powers[max(len(powers) - budget, 0):] if budget > 0 else [], max(budget, 0), block_size, depths, probs)
 
 
 def balanced(length: int, budget: int, block_size: int, depths=None, probs=None) -> CheckpointPlan:

@@ -23,11 +23,12 @@ class CheckpointConfig(BaseModel):
     half_life_s: float = Field(600.0, gt=0, description="exponential decay of the match-depth histogram")
     freeze_share: float = Field(0.2, gt=0, le=1, description="a depth holding this share of the mass becomes a frozen mode")
     freeze_min_weight: float = Field(8.0, ge=0, description="... once it has at least this many observations' weight")
-    resolve_every: int = Field(16, ge=1, description="re-solve a family's plan after this many new observations")
+    resolve_every: int = Field(1, ge=1, description="re-solve a family's plan after this many new observations (a solve takes ~ms)")
+    fill_spare: bool = Field(True, description="dp only: budget the DP leaves unused goes to the widest gaps (covers depths not seen yet)")
     max_families: int = Field(1024, ge=1, description="prefix families tracked (least recently seen dropped)")
 
     @model_validator(mode="after")
-    def _interval_only_for_uniform(self) -> "CheckpointConfig":
+    def _interval_only_for_uniform(self) -> CheckpointConfig:
         if self.interval is not None and self.strategy != "uniform":
             raise ValueError("interval is only used by strategy 'uniform'")
         return self

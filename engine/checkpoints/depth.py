@@ -9,7 +9,7 @@ strategy in force. Bounded memory: the least recently seen keys are forgotten pa
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 
 class PrefixDepthTracker:

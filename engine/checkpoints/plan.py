@@ -8,8 +8,8 @@ attention KV stays dense, so only the recurrent state decides where a request ca
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

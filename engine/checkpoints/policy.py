@@ -13,15 +13,16 @@ position deeper than the family's longest replay boundary seen.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Hashable
+from itertools import pairwise
 
 import numpy as np
 
 from engine.checkpoints import baselines
 from engine.checkpoints.config import CheckpointConfig
 from engine.checkpoints.histogram import DepthHistogram
-from engine.checkpoints.plan import CheckpointPlan
+from engine.checkpoints.plan import CheckpointPlan, expected_recomputed
 from engine.checkpoints.planner import solve
 
 
@@ -116,7 +117,28 @@ class CheckpointPolicy:
 def plan_for(cfg: CheckpointConfig, length: int, block_size: int, depths: np.ndarray, probs: np.ndarray) -> CheckpointPlan:
     """Pure: the plan of `cfg.strategy` for a family of this length and depth distribution."""
     if cfg.strategy == "dp":
-        return solve(depths, probs, cfg.budget, block_size)
+        plan = solve(depths, probs, cfg.budget, block_size)
+        return fill_spare(plan, length, depths, probs) if cfg.fill_spare else plan
     if cfg.strategy == "uniform":
         return baselines.uniform(length, cfg.budget, block_size, depths, probs, interval=cfg.interval)
     return baselines.STRATEGIES[cfg.strategy](length, cfg.budget, block_size, depths, probs)
+
+
+def fill_spare(plan: CheckpointPlan, length: int, depths: np.ndarray, probs: np.ndarray) -> CheckpointPlan:
+    """Spend budget the DP left unused (fewer observed depths than M) on the widest gaps of
+    [0, length]: each split at its block-aligned middle (with budget for every block, every block). Adding a checkpoint never raises any
+    t − s(t), so the plan stays optimal for the histogram; online it covers depths not seen yet
+    (a new mode's first request then resumes near it instead of from the last mode below)."""
+    B = plan.block_size
+    pos = set(plan.positions)
+    while len(pos) < plan.budget:
+        # a virtual edge one block past the family's deepest position, so that block is fillable too
+        edges = [0, *sorted(pos), length // B * B + B]
+        gap, lo = max((b - a, a) for a, b in pairwise(edges))
+        if gap < 2 * B:
+            break
+        pos.add(lo + gap // 2 // B * B)
+    positions = tuple(sorted(pos))
+    total = float(np.sum(probs))
+    cost = expected_recomputed(positions, depths, np.asarray(probs) / total) if total > 0 else 0.0
+    return CheckpointPlan(plan.strategy, positions, plan.budget, B, cost)

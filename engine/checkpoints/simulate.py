@@ -6,15 +6,15 @@ Models what CheckpointScheduler + vLLM do, request by request (sequential, no ev
   2. hit = deepest *stored* state on this prompt's own prefix at or below m (states are keyed by the
      chained block key, as vLLM keys them), 0 if none; recomputed = m − hit;
   3. the policy observes m (and may re-solve the family's plan);
-  4. the prompt's prefill stores a state at every planned position p ≤ L.
+  4. the prompt's prefill (from the hit on) stores a state at every planned position hit < p ≤ L.
 The e2e test checks this model against the real engine request by request; the benchmark uses it
 to count recomputed tokens and held states for every strategy and budget.
 """
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 from engine.checkpoints.config import CheckpointConfig
 from engine.checkpoints.depth import PrefixDepthTracker
@@ -60,13 +60,16 @@ class SimResult:
 
 
 def simulate(cfg: CheckpointConfig, block_size: int, prompts: Sequence[Sequence[int]], times: Sequence[float] | None = None) -> SimResult:
+    return simulate_keyed(cfg, block_size, [(block_keys(t, block_size), len(t)) for t in prompts], times)
+
+
+def simulate_keyed(cfg: CheckpointConfig, block_size: int, keyed: Sequence[tuple[list[bytes], int]], times: Sequence[float] | None = None) -> SimResult:
+    """simulate() on prompts given as (block keys, prompt length)."""
     policy = CheckpointPolicy(cfg, block_size)
     tracker = PrefixDepthTracker(block_size, capacity=1 << 30)
     stored: set[Hashable] = set()
     out = []
-    for i, tokens in enumerate(prompts):
-        keys = block_keys(tokens, block_size)
-        L = len(tokens)
+    for i, (keys, L) in enumerate(keyed):
         m = tracker.match_and_add(keys, L)
         hit = 0
         for k in range(m // block_size - 1, -1, -1):
@@ -75,8 +78,37 @@ def simulate(cfg: CheckpointConfig, block_size: int, prompts: Sequence[Sequence[
                 break
         plan = policy.observe(keys[0] if keys else None, m, L, times[i] if times is not None else float(i))
         for p in plan.positions:
-            if p <= L:
+            if hit < p <= L:  # the prefill runs from the hit: only states past it are computed
                 stored.add(keys[p // block_size - 1])
         out.append(SimRequest(m, hit, L))
     policy.check_integrity()
     return SimResult(cfg.strategy, cfg.budget, tuple(out), len(stored), policy.held_positions())
+
+
+def match_depths(block_size: int, keyed: Sequence[tuple[list[bytes], int]]) -> list[tuple[Hashable | None, int, int]]:
+    """(family, match depth, prompt length) per request — the strategy-independent stream."""
+    tracker = PrefixDepthTracker(block_size, capacity=1 << 30)
+    return [(keys[0] if keys else None, tracker.match_and_add(keys, L), L) for keys, L in keyed]
+
+
+def steady_state(cfg: CheckpointConfig, block_size: int, stream: Sequence[tuple[Hashable | None, int, int]]) -> tuple[int, int]:
+    """(recomputed tokens, planned checkpoints) when each family's plan is made once from the
+    whole stream's histogram and every planned state exists: Σ_requests (m − s(m)) — the paper's
+    objective Σ_t p(t)·(t − s(t)) times the request count, evaluated exactly."""
+    import numpy as np
+
+    from engine.checkpoints.policy import plan_for
+
+    fams: dict[Hashable, list[tuple[int, int]]] = {}
+    for fam, m, L in stream:
+        if fam is not None:
+            fams.setdefault(fam, []).append((m, L))
+    recomputed, planned = 0, 0
+    for fam, rows in fams.items():
+        length = max((L - 1) // block_size * block_size for _, L in rows)
+        depths = np.array([m for m, _ in rows], dtype=np.int64)
+        plan = plan_for(cfg, length, block_size, depths, np.ones(len(rows)))
+        plan.check_integrity()
+        recomputed += sum(plan.recomputed(m) for m, _ in rows)
+        planned += len(plan.positions)
+    return recomputed, planned

@@ -5,6 +5,7 @@ import time
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from engine.checkpoints import baselines
 from engine.checkpoints.config import CheckpointConfig
@@ -92,6 +93,7 @@ def test_baseline_positions() -> None:
     assert baselines.uniform(L, 99, B, interval=5 * B).positions == (5 * B, 10 * B, 15 * B)
     assert baselines.sqrt(L, 8, B).positions == (4 * B, 8 * B, 12 * B, 16 * B)
     assert baselines.dyadic(L, 3, B).positions == (4 * B, 8 * B, 16 * B)
+    assert baselines.dyadic(L, 9, B).positions == (B, 2 * B, 4 * B, 8 * B, 16 * B)  # budget over the powers: all of them
     d, w = np.array([2, 2, 2, 10]) * B, np.ones(4)
     assert baselines.balanced(L, 2, B, d, w).positions == (2 * B,)  # 3/4 of the mass at one depth
 
@@ -172,8 +174,24 @@ def test_policy_resolves_per_family_and_keeps_invariants() -> None:
 
 
 def test_config_is_strict() -> None:
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         CheckpointConfig(strategy="dp", bugdet=3)  # type: ignore[call-arg]
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         CheckpointConfig(strategy="dp", interval=128)
     assert plan_for(CheckpointConfig(strategy="none"), 8 * B, B, np.array([4 * B]), np.ones(1)).positions == ()
+
+
+def test_fill_spare_stays_in_budget_and_never_costs_more() -> None:
+    from engine.checkpoints.policy import fill_spare
+
+    rng = np.random.default_rng(4)
+    for _ in range(100):
+        d, w = random_hist(rng, max_blocks=40, n=int(rng.integers(1, 6)))
+        budget = int(rng.integers(1, 12))
+        dp = solve(d, w, budget, B)
+        filled = fill_spare(dp, 40 * B, d, w)
+        filled.check_integrity()
+        assert set(dp.positions) <= set(filled.positions)
+        assert filled.expected_recomputed_tokens <= dp.expected_recomputed_tokens + 1e-9
+    full = fill_spare(solve(np.array([3 * B]), np.ones(1), 10, B), 6 * B + 5, np.array([3 * B]), np.ones(1))
+    assert full.positions == tuple(k * B for k in range(1, 7))  # budget for every block: every block

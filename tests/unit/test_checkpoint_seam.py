@@ -12,14 +12,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm.config import CacheConfig, SchedulerConfig, VllmConfig  # noqa: E402
-from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.v1.core.single_type_kv_cache_manager import MambaManager  # noqa: E402
+from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
-from engine.args import checkpoint_engine_args  # noqa: E402
-from engine.checkpoints import scheduler as seam  # noqa: E402
-from engine.checkpoints.config import CheckpointConfig  # noqa: E402
-from engine.checkpoints.plan import CheckpointPlan  # noqa: E402
+from engine.args import checkpoint_engine_args
+from engine.checkpoints import scheduler as seam
+from engine.checkpoints.config import CheckpointConfig
+from engine.checkpoints.plan import CheckpointPlan
 
 
 @pytest.mark.parametrize("owner, name", list(seam.HOOKED))
@@ -62,3 +62,17 @@ def test_planned_mask_keeps_exactly_the_planned_positions() -> None:
     finally:
         cls._active_plan = None
     assert mask == [False, True, False, False, True, False]  # blocks end at 128, 256, …, 768
+
+
+def test_engine_config_wires_the_scheduler_only_when_asked() -> None:
+    from deployments.config import EngineConfig
+    from engine.args import build_engine_spec
+
+    def kwargs(**extra: object) -> dict:
+        cfg = EngineConfig(model="m", **extra)  # type: ignore[arg-type]
+        return build_engine_spec(cfg, role="decode", policy="colocated", model_path="/m", on_gpu=False, cache_root="/c").engine_kwargs
+
+    on = kwargs(checkpoints={"strategy": "dp", "budget": 4})
+    assert on["scheduler_cls"] == seam.SCHEDULER_CLS and on["prefix_cache_retention_interval"] is None
+    assert CheckpointConfig.model_validate(on["additional_config"][seam.CONFIG_KEY]).budget == 4
+    assert not {"scheduler_cls", "additional_config", "prefix_cache_retention_interval"} & set(kwargs())
