@@ -150,6 +150,10 @@ def build_openai_app(
     async def serve_one(request: Request, endpoint: str, model: type[BaseModel], prepare: Callable[[Any, str | None], Any]) -> Any:
         try:
             body = await _parse(request, model)
+            bound = _bound_user(request)
+            if bound is not None:  # an API key bound to a user speaks for that user only
+                resolve_user(bound, body.user, required=False)
+                body = body.model_copy(update={"user": bound})
             sid = session_id_of(request, body.session_id)
             prepared = await prepare(body, sid, request) if endpoint == "chat" else prepare(body, sid)
         except APIError as e:

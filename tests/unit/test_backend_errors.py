@@ -376,3 +376,30 @@ def test_a_lost_decoder_with_the_real_directory_state_moves_the_conversation() -
     assert pin is not None and (pin.decoder, pin.turns, pin.handoffs) == ("d1", 4, 2)
     assert state.totals["replica_failures"] == 1 and directory.called("served") == []
     state.check_integrity()
+
+
+def test_a_conversation_belongs_to_the_user_who_opened_it() -> None:
+    """Another user's turn on the same session id is refused before any engine work, as
+    ConversationNotFound (404 at the ingress); the owner's conversation is untouched. The same
+    holds when the refusal crosses Ray (RayTaskError around ForeignConversation)."""
+    from engine.types import ConversationNotFound
+    from router.directory_state import ForeignConversation
+
+    state = DirectoryState(DirectorySettings(policy="colocated"))
+    state.report("d0", "decode", {"kv_usage": 0.0, "kv_capacity_tokens": 1000, "in_flight": 0}, 0.0)
+    decode = FakePoolHandle(lambda req: FakeResponseStream(deltas(2, replica=req.target_replica)))
+    backend = PoolBackend(decode, None, FakeDirectory(state=state))
+    assert len(serve_turn(backend, request("conv", "alice"))) == 2
+    with pytest.raises(ConversationNotFound):
+        serve_turn(backend, request("conv", "mallory"))
+    with pytest.raises(ConversationNotFound):
+        serve_turn(backend, request("conv"))  # no user is not alice either
+    assert len(decode.sent) == 1
+    pin = state.pin_of("conv")
+    assert pin is not None and (pin.user, pin.turns) == ("alice", 1)
+    assert state.totals["foreign_session_refused"] == 2
+    wrapped = FakeDirectory(errors={"route": raised_in_replica(ForeignConversation("conv"))})
+    with pytest.raises(ConversationNotFound):
+        serve_turn(PoolBackend(decode, None, wrapped), request("conv", "mallory"))
+    assert len(decode.sent) == 1
+
