@@ -15,7 +15,7 @@ from engine.args import EngineSpec
 from engine.realtime.manager import RealtimeSessions, UnknownSession
 from engine.realtime.messages import RealtimeClose, RealtimeOpen, RealtimeTick, TickResult
 from engine.runner import EngineRunner
-from engine.types import EngineRequestError, EngineStats, EngineUnavailable, GenerationDelta, GenerationRequest
+from engine.types import EngineStats, EngineUnavailable, GenerationDelta, GenerationRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -39,6 +39,13 @@ class EngineReplica:
         self._realtime = RealtimeSessions(self._runner)
         self._rt_sessions = metrics.Gauge("baton_realtime_sessions", "live real-time sessions on this replica")
         self._rt_kv_bytes = metrics.Gauge("baton_realtime_held_kv_bytes", "host bytes of sink + window KV held for bounded sessions")
+        self._ckpt = {name: metrics.Gauge(f"baton_checkpoint_{name}", help_) for name, help_ in (
+            ("held", "recurrent-state checkpoints held in the prefix cache (hybrid models)"),
+            ("state_bytes", "bytes of recurrent state held as checkpoints"),
+            ("match_tokens", "prompt tokens matched in the prefix cache (total)"),
+            ("hit_tokens", "matched tokens resumed from a checkpoint (total)"),
+            ("recomputed_tokens", "matched tokens recomputed because no checkpoint was kept there (total)"),
+        )}
         self._memory_counter = metrics.Counter(
             "baton_memory_requests", "requests carrying memory KV, by outcome (injected | recomputed)", tag_keys=("outcome",))
         # Serve adds deployment (= pool) and replica tags to every metric
@@ -90,8 +97,10 @@ class EngineReplica:
     async def realtime_tick(self, msg: RealtimeTick) -> TickResult:
         try:
             result = await self._realtime.tick(msg)
-        except UnknownSession:
-            raise EngineRequestError(f"session {msg.session_id!r} is not open on this replica") from None
+        except UnknownSession:  # expired, or this replica restarted: the session cannot go on
+            return TickResult(seq=msg.seq, text="", token_ids=(), server_s=0.0, prompt_tokens=0, computed_tokens=0,
+                              kv_peak_tokens=0, replica=self._replica_id, fatal=True,
+                              error="the session is not open on its replica (idle timeout or replica restart); open a new one")
         self._rt_kv_bytes.set(self._realtime.held_kv_bytes())
         return replace(result, replica=self._replica_id)
 
@@ -105,10 +114,18 @@ class EngineReplica:
         """Called by Serve every routing_stats_period_s; also pushes the same figures to the
         conversation directory (fire and forget: a slow directory never delays routing)."""
         stats = self._runner.stats
+        ck = self._runner.checkpoint_metrics
+        if ck is not None:
+            for name, value in (("held", ck.checkpoints_held), ("state_bytes", ck.state_bytes), ("match_tokens", ck.match_tokens),
+                                ("hit_tokens", ck.hit_tokens), ("recomputed_tokens", ck.recomputed_tokens)):
+                self._ckpt[name].set(value)
         self._kv_gauge.set(stats.kv_usage)
         self._running_gauge.set(stats.num_running)
         self._waiting_gauge.set(stats.num_waiting)
         report = {**stats.as_routing_stats(), **transfer_stats()}
+        if ck is not None:  # shown per replica in /baton/stats
+            report.update(checkpoints_held=ck.checkpoints_held, checkpoint_state_bytes=ck.state_bytes,
+                          checkpoint_hit_tokens=ck.hit_tokens, checkpoint_recomputed_tokens=ck.recomputed_tokens)
         if self._directory is not None and stats.healthy:
             self._directory.report.remote(self._replica_id, self._pool, report)
         return report

@@ -78,7 +78,10 @@ class ServeRealtimeMetrics:
 
 
 def parse_frame(msg: dict[str, Any]) -> dict[str, Any]:
-    """A WebSocket receive() message → a JSON object, or FrameError (1007: not JSON text)."""
+    """A WebSocket receive() message → a JSON object, or FrameError (1007: not JSON text).
+    The client hanging up is WebSocketDisconnect (receive() returns it as a message), not a bad frame."""
+    if msg.get("type") == "websocket.disconnect":
+        raise WebSocketDisconnect(msg.get("code", 1000), msg.get("reason"))
     text = msg.get("text")
     if text is None:
         raise FrameError("invalid_frame", "frames must be JSON text, not binary", CLOSE_BAD_DATA)
@@ -206,11 +209,16 @@ class RealtimeFrontend:
                 raise err from None
             now = time.monotonic()
             latency = now - t0
-            self._ctl.observe(latency, now)
+            if result.error:  # the client gets no reply: a miss (+inf) for the controller, not a fast tick
+                self._ctl.observe_miss(now)
+            else:
+                self._ctl.observe(latency, now)
             self._ctl.update(now, self._live)
             if self._metrics:
                 self._metrics.tick(latency, latency > deadline_s)
             self._report()
+            if result.error and result.fatal:
+                raise FrameError("session_lost", result.error, CLOSE_INTERNAL)
             if result.error:
                 await ws.send_json({"type": "error", "seq": seq, "code": "tick_failed", "message": result.error})
                 continue

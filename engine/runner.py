@@ -207,6 +207,7 @@ class EngineRunner:
             return
         self.start_seconds = time.monotonic() - t0
         self._scheduler = _find_scheduler(engine)
+        self._checkpoints_at = 0.0
         self._kv_capacity_tokens = _kv_capacity_tokens(self._scheduler)
         self._publish_stats(engine, 0)
         self._ready.set()
@@ -298,8 +299,18 @@ class EngineRunner:
         for s in streams:
             s.loop.call_soon_threadsafe(s.out.put_nowait, err)
 
+    @property
+    def checkpoint_metrics(self) -> Any:
+        """The sparse-checkpoint scheduler's metrics (engine/checkpoints/), refreshed by the engine
+        thread at most once a second; None for engines without it."""
+        return getattr(self, "_checkpoint_metrics", None)
+
     def _publish_stats(self, engine: Any, steps: int) -> None:
         sched = self._scheduler
+        now = time.monotonic()
+        if sched is not None and hasattr(sched, "checkpoint_metrics") and now - self._checkpoints_at >= 1.0:
+            self._checkpoints_at = now
+            self._checkpoint_metrics = sched.checkpoint_metrics()
         with self._streams_lock:
             in_flight = len(self._streams)
         if sched is None:

@@ -69,7 +69,7 @@ class RealtimeSessions:
                                     sampling=SamplingSpec(max_tokens=live.state.spec.max_tokens, temperature=0.0),
                                     cache_salt=plan.salt)
             text, tokens, peak = [], [], 0
-            error = None
+            error, fatal = None, False
             try:
                 async for d in self._runner.generate(req, injection=plan.inject or None, capture=plan.capture):
                     text.append(d.text)
@@ -78,7 +78,14 @@ class RealtimeSessions:
                     peak = max(peak, int(st.kv_usage * st.kv_capacity_tokens))
                 captured = self._take_capture(req.request_id, plan)
             except (EngineRequestError, EngineUnavailable) as e:
-                error, captured = str(e), None
+                error, captured, fatal = str(e), None, isinstance(e, EngineUnavailable)
+            finally:
+                # the runner leaves a capturing request's key (injection and capture) to its
+                # submitter: drop it on every exit (error, cancellation), not only after a take
+                if plan.inject or plan.capture:
+                    from kv_transfer.segments import process_segments
+
+                    process_segments().discard(req.request_id)
             if error is None:
                 if captured is None:  # keep serving: the next tick recomputes the session's KV
                     live.state = after_lost_kv(live.state, plan, tuple(tokens))
@@ -87,7 +94,7 @@ class RealtimeSessions:
             live.last_used = time.monotonic()
             return TickResult(seq=msg.seq, text="".join(text), token_ids=tuple(tokens), server_s=time.perf_counter() - t0,
                               prompt_tokens=len(plan.prompt), computed_tokens=plan.computed_tokens, kv_peak_tokens=peak,
-                              error=error)
+                              error=error, fatal=fatal)
 
     def _take_capture(self, key: str, plan: Any) -> tuple[Any, ...] | None:
         if not plan.capture:
@@ -102,7 +109,11 @@ class RealtimeSessions:
         if result is None or result.error:
             logger.warning("tick KV capture failed (%s); the session's next tick recomputes", result.error if result else "none")
             return None
-        return result.segments
+        segs = result.segments
+        if len(segs) != len(plan.capture) or any(tuple(s.token_ids) != plan.prompt[a:b] for s, (a, b) in zip(segs, plan.capture)):
+            logger.warning("tick KV capture does not match the prompt; the session's next tick recomputes")
+            return None
+        return segs
 
     def _expire(self) -> None:
         cutoff = time.monotonic() - self._idle_timeout_s

@@ -47,3 +47,4 @@ class TickResult:
     kv_peak_tokens: int  # engine KV in use at the tick's peak (tokens, from the engine's block pool)
     replica: str | None = None
     error: str | None = None  # set when the tick could not be served (the client sees no reply)
+    fatal: bool = False  # the session cannot go on (engine dead, session unknown): the ingress closes it

@@ -115,9 +115,10 @@ def after_tick(state: SessionState, plan: TickPlan, captured: tuple[Any, ...], r
 def after_lost_kv(state: SessionState, plan: TickPlan, reply: tuple[int, ...]) -> SessionState:
     """The session after a tick whose capture failed: the tokens move on as usual but the
     session holds no KV, so the next tick computes sink + window + new tokens (plan_tick's
-    first-tick path) and captures again."""
+    first-tick path: no KV to inject) and captures again. `ticks` keeps counting, so the next
+    tick's prefix-cache salt is still one no earlier tick of the session used."""
     if state.spec.mode == "unbounded":
         return after_tick(state, plan, (), reply)
     ids = state.window + plan.new_tokens
     keep = min(state.spec.window_tokens, len(ids))
-    return replace(state, window=ids[len(ids) - keep :], window_kv=None, sink_kv=None, pending=reply, ticks=0)
+    return replace(state, window=ids[len(ids) - keep :], window_kv=None, sink_kv=None, pending=reply, ticks=state.ticks + 1)
