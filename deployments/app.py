@@ -52,6 +52,7 @@ def pool_options(name: str, pool: PoolConfig, spec: EngineSpec, cfg: AppConfig) 
         "name": name,
         "ray_actor_options": ray_actor_options(pool, spec.env),
         "max_ongoing_requests": pool.max_ongoing_requests,
+        "max_queued_requests": pool.max_queued_requests,
         "health_check_period_s": 5.0,
         "health_check_timeout_s": 30.0,
         "graceful_shutdown_timeout_s": 10.0,
@@ -123,6 +124,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         default_max_tokens=cfg.ingress.default_max_tokens,
         disaggregated=r.disaggregated,
         api_keys_env=cfg.ingress.api_keys_env,
+        max_inflight_requests=cfg.ingress.max_inflight_requests,
         memory=cfg.memory,
         realtime=cfg.realtime,
     )

@@ -79,6 +79,8 @@ class PoolConfig(_Strict):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     engine: EngineConfig
     max_ongoing_requests: int = Field(64, ge=1, description="Serve's per-replica cap; beyond it requests queue")
+    max_queued_requests: int = Field(
+        256, ge=1, description="requests queued for this pool across its replicas; beyond: 503 with Retry-After (bounded queue)")
     routing_stats_period_s: float = Field(1.0, gt=0)
 
 
@@ -88,6 +90,8 @@ class IngressConfig(_Strict):
     served_model_name: str | None = Field(None, description="the id clients send as `model`; default: model folder name")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when the client sends none")
     max_ongoing_requests: int = Field(256, ge=1)
+    max_inflight_requests: int = Field(
+        128, ge=1, description="generation requests one ingress replica serves at once; beyond: 429 with Retry-After")
     api_keys_env: str | None = Field(
         None,
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",

@@ -54,3 +54,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def unavailable(reason: str, retry_after_s: int = 1) -> APIError:
     return APIError(503, f"service unavailable: {reason}", code="engine_unavailable", headers={"Retry-After": str(retry_after_s)})
+
+
+def overloaded(reason: str, retry_after_s: int = 1) -> APIError:
+    return APIError(429, f"too many requests: {reason}", code="overloaded", headers={"Retry-After": str(retry_after_s)})

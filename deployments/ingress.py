@@ -28,6 +28,7 @@ class IngressSettings:
     default_max_tokens: int
     disaggregated: bool  # the policy prefills on the prefill pool
     api_keys_env: str | None = None  # environment variable with the API keys (None: no auth)
+    max_inflight_requests: int = 128  # generation requests at once; beyond: 429
     memory: MemoryConfig | None = None  # the memory store's settings (None: no memories)
     realtime: RealtimeConfig | None = None  # real-time sessions (None: no /v1/realtime)
 
@@ -53,6 +54,7 @@ class Ingress:
             max_model_len=settings.max_model_len,
             default_max_tokens=settings.default_max_tokens,
             metrics=ServeIngressMetrics(),
+            max_inflight=settings.max_inflight_requests,
         )
 
     def __serve_build_asgi_app__(self) -> Any:
