@@ -79,6 +79,7 @@ def _sampling_params(req: GenerationRequest, kv_transfer_params: dict[str, Any] 
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         ignore_eos=s.ignore_eos,
+        logprobs=0 if s.logprobs else None,
         output_kind=RequestOutputKind.DELTA,
         extra_args=extra,
     )
@@ -275,6 +276,7 @@ class EngineRunner:
                 finished=bool(out.finished),
                 finish_reason=comp.finish_reason if comp else None,
                 kv_transfer_params=getattr(out, "kv_transfer_params", None),
+                logprobs=_sampled_logprobs(comp),
             )
             if delta.finished:
                 self._finish_stream(out.request_id, delta)
@@ -348,8 +350,16 @@ def _coalesce(item: Any, pending: asyncio.Queue) -> Any:
             finish_reason=nxt.finish_reason,
             kv_transfer_params=nxt.kv_transfer_params or item.kv_transfer_params,
             replica=item.replica or nxt.replica,
+            logprobs=item.logprobs + nxt.logprobs,
         )
     return item
+
+
+def _sampled_logprobs(comp: Any) -> tuple[float, ...]:
+    """The sampled tokens' logprobs of a delta (vLLM lists {token: Logprob} per position)."""
+    if comp is None or not comp.logprobs:
+        return ()
+    return tuple(float(pos[tok].logprob) for tok, pos in zip(comp.token_ids, comp.logprobs))
 
 
 def _cached_fraction(sched: Any) -> float:

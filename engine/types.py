@@ -16,6 +16,7 @@ class SamplingSpec:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
+    logprobs: bool = False  # report each sampled token's logprob (GenerationDelta.logprobs)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class GenerationDelta:
     finish_reason: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     replica: str | None = None  # set on a request's first delta by the replica that serves it
+    logprobs: tuple[float, ...] = ()  # per token in token_ids, when SamplingSpec.logprobs
     turn_index: int | None = None  # the turn's index in its conversation (first delta; set by the ingress)
 
 
