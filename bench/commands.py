@@ -11,6 +11,9 @@ BENCHMARKS = {
     "conserve": "bench.conserve",  # routing policies on one agentic trace
     "checkpoints": "bench.checkpoints",  # recurrent-state checkpoint placement (hybrid models)
     "memory": "bench.memory",  # InferScale: KV vs prompt injection of memories on LoCoMo
+    "reliability": "bench.reliability",  # faults, overload, bad input, isolation (+ soak)
+    "realtime": "bench.realtime",  # Metronome: bounded vs unbounded real-time sessions, cliff, AIMD
+    "window-quality": "bench.window_quality",  # Metronome: sink + window KV perplexity and repetition
 }
 
 

@@ -44,6 +44,17 @@ def translate_error(e: BaseException) -> BaseException:
     return e
 
 
+def cancel_quietly(gen: Any) -> None:
+    """Best-effort cancel of a handle call. Serve's DeploymentResponseGenerator.cancel() re-raises
+    the call's own failure (e.g. BackPressureError when the pool's queue is full) when the router
+    runs in its own loop; that failure is already handled by the caller and must not replace its
+    fallback (a local prefill) or its translated error (503 with Retry-After)."""
+    try:
+        gen.cancel()
+    except Exception as e:  # noqa: BLE001 - already handled where the call failed
+        logger.debug("cancel of a failed handle call raised %s", type(e).__name__)
+
+
 class PoolBackend:
     """Serves one turn under the configured routing policy (decided by the directory)."""
 
@@ -85,7 +96,7 @@ class PoolBackend:
                 raise translated from None
             finally:
                 if not done:
-                    gen.cancel()
+                    cancel_quietly(gen)
 
     async def _plan(self, request: GenerationRequest) -> tuple[str | None, bool, int | None]:
         """(decode replica, remote prefill?, turn index) from the directory; without it, place by load."""
@@ -128,7 +139,7 @@ class PoolBackend:
             return None
         finally:
             if not done:  # failed or cancelled (client gone): free the prefill engine's blocks now
-                gen.cancel()
+                cancel_quietly(gen)
         return params
 
     async def _tell_directory(self, method: str, *args: Any) -> None:

@@ -84,8 +84,8 @@ class MemoryFrontend:
         return {"object": "list", "data": [f.as_json() for f in facts]}
 
     async def list(self, user: str, limit: int, offset: int) -> dict[str, Any]:
-        if not 1 <= limit <= 1000 or offset < 0:
-            raise bad_request("limit must be in [1, 1000] and offset >= 0", param="limit")
+        if not 1 <= limit <= 1000 or not 0 <= offset < 2**63:  # SQLite integers are 64-bit
+            raise bad_request("limit must be in [1, 1000] and offset in [0, 2^63)", param="limit")
         facts = await self._call("list", user, limit, offset)
         return {"object": "list", "data": [f.as_json() for f in facts]}
 

@@ -11,6 +11,7 @@ from typing import Any
 from ray import serve
 from ray.serve import metrics
 
+from deployments.log_guard import serve_logging_kept
 from engine.args import EngineSpec
 from engine.realtime.manager import RealtimeSessions, UnknownSession
 from engine.realtime.messages import RealtimeClose, RealtimeOpen, RealtimeTick, TickResult
@@ -29,7 +30,8 @@ class EngineReplica:
         self._replica_id = _own_replica_id()
         self._directory = directory
         t0 = time.monotonic()
-        self._runner = EngineRunner(engine_spec_for_this_replica(spec))
+        with serve_logging_kept():  # vLLM and NIXL reconfigure logging while the engine is built
+            self._runner = EngineRunner(engine_spec_for_this_replica(spec))
         self.start_seconds = time.monotonic() - t0
         self._resolver = None
         if memory_cache_bytes > 0:

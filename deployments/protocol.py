@@ -87,7 +87,7 @@ class _Sampling(_Body):
     top_k: int | None = Field(None, ge=-1)
     n: int = Field(1, ge=1, le=1, description="only n=1 is served")
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="a 64-bit integer (the engine's seed type)")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stream: bool = False

@@ -189,6 +189,11 @@ class EngineRunner:
         t0 = time.monotonic()
         cpus = os.sched_getaffinity(0)
         try:
+            threads = self._spec.env.get("OMP_NUM_THREADS")
+            if threads:  # OMP_NUM_THREADS only counts if torch was not imported yet; make it hold
+                import torch
+
+                torch.set_num_threads(int(threads))
             from vllm.engine.arg_utils import EngineArgs
             from vllm.v1.engine.llm_engine import LLMEngine
 

@@ -68,12 +68,13 @@ class RealtimeSessions:
             req = GenerationRequest(request_id=f"rt-{uuid.uuid4().hex}", prompt_token_ids=plan.prompt,
                                     sampling=SamplingSpec(max_tokens=live.state.spec.max_tokens, temperature=0.0),
                                     cache_salt=plan.salt)
-            text, tokens, peak = [], [], 0
+            text, tokens, peak, cached = [], [], 0, 0
             error, fatal = None, False
             try:
                 async for d in self._runner.generate(req, injection=plan.inject or None, capture=plan.capture):
                     text.append(d.text)
                     tokens.extend(d.token_ids)
+                    cached = max(cached, d.cached_tokens)
                     st = self._runner.stats
                     peak = max(peak, int(st.kv_usage * st.kv_capacity_tokens))
                 captured = self._take_capture(req.request_id, plan)
@@ -93,7 +94,9 @@ class RealtimeSessions:
                     live.state = after_tick(live.state, plan, captured, tuple(tokens))
             live.last_used = time.monotonic()
             return TickResult(seq=msg.seq, text="".join(text), token_ids=tuple(tokens), server_s=time.perf_counter() - t0,
-                              prompt_tokens=len(plan.prompt), computed_tokens=plan.computed_tokens, kv_peak_tokens=peak,
+                              prompt_tokens=len(plan.prompt), kv_peak_tokens=peak,
+                              # what the engine really computed: prefix-cache hits count only whole blocks
+                              computed_tokens=len(plan.prompt) - cached if error is None else plan.computed_tokens,
                               error=error, fatal=fatal)
 
     def _take_capture(self, key: str, plan: Any) -> tuple[Any, ...] | None:

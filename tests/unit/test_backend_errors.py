@@ -403,3 +403,29 @@ def test_a_conversation_belongs_to_the_user_who_opened_it() -> None:
         serve_turn(PoolBackend(decode, None, wrapped), request("conv", "mallory"))
     assert len(decode.sent) == 1
 
+
+
+class CancelRaises(FakeResponseStream):
+    """Serve's DeploymentResponseGenerator whose routing failed: iterating raises the failure, and so
+    does cancel() (it fetches the routing result when the router runs in its own loop)."""
+
+    def cancel(self) -> None:
+        super().cancel()
+        if self._error is not None:
+            raise self._error
+
+
+def test_a_full_prefill_queue_falls_back_even_when_cancel_reraises() -> None:
+    full = BackPressureError(num_queued_requests=2, max_queued_requests=2)
+    decode, prefill = decoder(FakeResponseStream(deltas(2, replica="d0"))), prefiller(CancelRaises([], error=full))
+    directory = FakeDirectory([TurnPlan("d0", remote_prefill=True, reason="new")])
+    got = serve_turn(PoolBackend(decode, prefill, directory), request("s"))
+    assert len(got) == 2 and decode.sent[0].kv_transfer_params is None  # the decoder prefilled it
+    assert prefill.stream.cancelled == 1
+
+
+def test_a_full_decode_queue_is_unavailable_even_when_cancel_reraises() -> None:
+    full = BackPressureError(num_queued_requests=2, max_queued_requests=2)
+    decode = decoder(CancelRaises([], error=full))
+    with pytest.raises(EngineUnavailable, match="capacity"):
+        serve_turn(PoolBackend(decode), request("s"))

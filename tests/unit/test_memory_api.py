@@ -140,6 +140,7 @@ def test_list_is_scoped_to_the_user(api: Api) -> None:
     assert ids_of(api.client.get("/v1/memories", params={"user": "alice", "limit": 1, "offset": 2})) == alice[2:]
     assert ids_of(api.client.get("/v1/memories", params={"user": "carol"})) == []
     assert error_of(api.client.get("/v1/memories", params={"user": "alice", "limit": 0}), 400)["param"] == "limit"
+    assert error_of(api.client.get("/v1/memories", params={"user": "alice", "offset": 10**22}), 400)  # not SQLite's OverflowError
 
 
 def test_get_and_delete_one(api: Api) -> None:

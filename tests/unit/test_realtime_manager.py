@@ -78,7 +78,9 @@ class FakeRunner:
                         table.put_capture(req.request_id, CaptureResult(segments=tuple(seg(prompt[a:b]) for a, b in capture)))
                     elif self.capture_mode == "error":
                         table.put_capture(req.request_id, CaptureResult(error="no free staging buffer"))
-                yield GenerationDelta(text=f"w{tid} ", token_ids=(tid,), prompt_tokens=len(prompt), cached_tokens=0,
+                # like vLLM, the engine counts connector-loaded tokens as cached
+                injected = sum(sg.num_tokens for sg in injection) if injection else 0
+                yield GenerationDelta(text=f"w{tid} ", token_ids=(tid,), prompt_tokens=len(prompt), cached_tokens=injected,
                                       finished=last, finish_reason="length" if last else None)
         finally:
             if injection and not capture:
