@@ -41,14 +41,9 @@ DEFAULT_WINDOW = 2
 
 
 def _runner(model_path: str) -> Any:
-    from deployments.config import EngineConfig
-    from engine.args import build_engine_spec
-    from engine.runner import EngineRunner
+    from engine.local import local_engine
 
-    cfg = EngineConfig(model=model_path, max_model_len=4096, kv_cache_gib=1.0, cpu_threads=2, max_num_seqs=16)
-    spec = build_engine_spec(cfg, role="decode", policy="colocated", model_path=model_path, on_gpu=False,
-                             cache_root=str(ROOT / ".cache"), segments=True)
-    return EngineRunner(spec)
+    return local_engine(model_path, max_model_len=4096, kv_cache_gib=1.0, cpu_threads=2, max_num_seqs=16)
 
 
 async def _request(runner: Any, ids: Sequence[int], segs: Any, max_tokens: int) -> tuple[float, list[int], int]:
@@ -119,14 +114,14 @@ async def _throughput(runner: Any, cases: Sequence[_Case], concurrency: int, max
         sem = asyncio.Semaphore(concurrency)
         toks = 0
 
-        async def one(c: _Case) -> None:
+        async def one(c: _Case, sem: asyncio.Semaphore, inject: bool) -> None:
             nonlocal toks
             async with sem:
-                _, out, _ = await _request(runner, c.prompt.token_ids, c.segs if mode == "kv" else None, max_tokens)
+                _, out, _ = await _request(runner, c.prompt.token_ids, c.segs if inject else None, max_tokens)
                 toks += len(out)
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(c) for c in cases))
+        await asyncio.gather(*(one(c, sem, mode == "kv") for c in cases))
         wall = time.perf_counter() - t0
         res[mode] = {"requests_per_s": len(cases) / wall, "output_tok_per_s": toks / wall, "wall_s": wall}
     return res

@@ -97,16 +97,10 @@ FULL = Workload(sessions=20, ticks=40, start_every_s=3.0, period_s=8.0, deadline
 
 
 def _runner(model_path: str, wl: Workload) -> Any:
-    from deployments.config import EngineConfig
-    from engine.args import build_engine_spec
-    from engine.runner import EngineRunner
+    from engine.local import local_engine
 
     # one engine thread: on 2 shared cores a 2-thread OMP pool spins against itself (~10x slower steps)
-    cfg = EngineConfig(model=model_path, max_model_len=wl.max_model_len, kv_cache_gib=wl.kv_cache_gib, cpu_threads=1,
-                       max_num_seqs=64)
-    spec = build_engine_spec(cfg, role="decode", policy="colocated", model_path=model_path, on_gpu=False,
-                             cache_root=str(ROOT / ".cache"), segments=True)
-    return EngineRunner(spec)
+    return local_engine(model_path, max_model_len=wl.max_model_len, kv_cache_gib=wl.kv_cache_gib, cpu_threads=1, max_num_seqs=64)
 
 
 async def _warm(runner: Any) -> None:

@@ -17,8 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-from deployments.config import EngineConfig
-from engine.args import build_engine_spec
 from engine.types import GenerationRequest, SamplingSpec
 from kv_transfer.rope import apply_rope, remove_rope, rope_spec_from_hf_config
 from kv_transfer.segments import KVSegment, process_segments
@@ -38,12 +36,9 @@ FACTS = [
 def runner() -> Iterator[Any]:
     if not (MODEL_DIR / "config.json").exists():
         pytest.fail(f"model not provisioned at {MODEL_DIR}: run `make setup`")
-    from engine.runner import EngineRunner
+    from engine.local import local_engine
 
-    cfg = EngineConfig(model=str(MODEL_DIR), max_model_len=2048, kv_cache_gib=0.25, cpu_threads=2, max_num_seqs=8)
-    spec = build_engine_spec(cfg, role="decode", policy="colocated", model_path=str(MODEL_DIR), on_gpu=False,
-                             cache_root=str(ROOT / ".cache"), segments=True)
-    r = EngineRunner(spec)
+    r = local_engine(MODEL_DIR, max_model_len=2048, kv_cache_gib=0.25, cpu_threads=2, max_num_seqs=8)
     yield r
     r.shutdown()
 

@@ -9,8 +9,6 @@ from typing import Any
 
 import pytest
 
-from deployments.config import EngineConfig
-from engine.args import build_engine_spec
 from engine.realtime.manager import RealtimeSessions
 from engine.realtime.messages import RealtimeOpen, RealtimeTick
 
@@ -32,12 +30,9 @@ LINES = [
 def runner() -> Iterator[Any]:
     if not (MODEL_DIR / "config.json").exists():
         pytest.fail(f"model not provisioned at {MODEL_DIR}: run `make setup`")
-    from engine.runner import EngineRunner
+    from engine.local import local_engine
 
-    cfg = EngineConfig(model=str(MODEL_DIR), max_model_len=4096, kv_cache_gib=0.25, cpu_threads=2, max_num_seqs=8)
-    spec = build_engine_spec(cfg, role="decode", policy="colocated", model_path=str(MODEL_DIR), on_gpu=False,
-                             cache_root=str(ROOT / ".cache"), segments=True)
-    r = EngineRunner(spec)
+    r = local_engine(MODEL_DIR, max_model_len=4096, kv_cache_gib=0.25, cpu_threads=2, max_num_seqs=8)
     yield r
     r.shutdown()
 
