@@ -14,8 +14,8 @@ import importlib
 from typing import Sequence
 
 COMMAND_MODULES: tuple[str, ...] = (
-    "traces.commands",  # baton replay, baton trace {bfcl,locomo,check}
-    "bench.commands",  # baton bench <name> [--quick]
+    "baton.traces.commands",  # baton replay, baton trace {bfcl,locomo,check}
+    "baton.bench.commands",  # baton bench <name> [--quick]
 )
 
 

@@ -16,7 +16,7 @@ from ray.serve.config import RequestRouterConfig
 from deployments.config import AppConfig, ConfigError, PoolConfig, load_app_config
 from deployments.ingress import Ingress, IngressSettings
 from deployments.pool import EngineReplicaDeployment
-from engine.args import EngineSpec, build_engine_spec, resolve_model_path
+from baton.engine.args import EngineSpec, build_engine_spec, resolve_model_path
 from memory_store.deployment import MemoryStoreDeployment
 from router.directory import ConversationDirectoryDeployment
 from router.directory_state import DirectorySettings

@@ -14,7 +14,7 @@ from typing import Any
 from ray import exceptions as ray_exceptions
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from engine.types import ConversationNotFound, EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
+from baton.engine.types import ConversationNotFound, EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
 from router.directory_state import ForeignConversation
 
 logger = logging.getLogger("ray.serve")

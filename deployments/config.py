@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from memory_store.config import MemoryConfig
 from router.admission import AdmissionConfig
 
-from engine.checkpoints.config import CheckpointConfig
+from baton.engine.checkpoints.config import CheckpointConfig
 
 
 class _Strict(BaseModel):
@@ -49,7 +49,7 @@ class ResourcesConfig(_Strict):
 
 
 class EngineConfig(_Strict):
-    """vLLM engine arguments of one pool. Turned into `EngineArgs` in exactly one place: engine/args.py."""
+    """vLLM engine arguments of one pool. Turned into `EngineArgs` in exactly one place: baton/engine/args.py."""
 
     model: str = Field(..., description="path of an HF model folder, or a name under the model cache")
     tokenizer: str | None = None
@@ -67,7 +67,7 @@ class EngineConfig(_Strict):
     cpu_threads_bind: str = Field("nobind", description="VLLM_CPU_OMP_THREADS_BIND: 'nobind', 'auto' or core ids")
     extra_engine_args: dict[str, Any] = Field(default_factory=dict, description="passed to EngineArgs unchanged")
     checkpoints: CheckpointConfig | None = Field(
-        None, description="hybrid models only: recurrent-state checkpoints at planned positions (engine/checkpoints/)"
+        None, description="hybrid models only: recurrent-state checkpoints at planned positions (baton/engine/checkpoints/)"
     )
 
 

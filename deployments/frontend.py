@@ -26,7 +26,7 @@ from deployments.protocol import (
     completion_response,
     usage,
 )
-from engine.types import ConversationNotFound, EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
+from baton.engine.types import ConversationNotFound, EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
 from memory_store.layout import MemoryPrompt
 
 logger = logging.getLogger("baton.api")

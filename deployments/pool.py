@@ -12,11 +12,11 @@ from ray import serve
 from ray.serve import metrics
 
 from deployments.log_guard import serve_logging_kept
-from engine.args import EngineSpec
-from engine.realtime.manager import RealtimeSessions, UnknownSession
-from engine.realtime.messages import RealtimeClose, RealtimeOpen, RealtimeTick, TickResult
-from engine.runner import EngineRunner
-from engine.types import EngineStats, EngineUnavailable, GenerationDelta, GenerationRequest
+from baton.engine.args import EngineSpec
+from baton.engine.realtime.manager import RealtimeSessions, UnknownSession
+from baton.engine.realtime.messages import RealtimeClose, RealtimeOpen, RealtimeTick, TickResult
+from baton.engine.runner import EngineRunner
+from baton.engine.types import EngineStats, EngineUnavailable, GenerationDelta, GenerationRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -89,7 +89,7 @@ class EngineReplica:
         segs = await self._resolver.resolve(prompt_token_ids, memory)
         return len(segs)
 
-    # ---- real-time sessions (engine/realtime/) ----------------------------------------------
+    # ---- real-time sessions (baton/engine/realtime/) ----------------------------------------------
     async def realtime_open(self, msg: RealtimeOpen) -> str:
         """Open a session on this replica; returns this replica's id (the session's pin)."""
         self._realtime.open(msg)

@@ -30,8 +30,8 @@ from typing import Any, Protocol
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from deployments.backend import translate_error
-from engine.realtime.messages import RealtimeClose, RealtimeOpen, RealtimeTick
-from engine.types import EngineRequestError
+from baton.engine.realtime.messages import RealtimeClose, RealtimeOpen, RealtimeTick
+from baton.engine.types import EngineRequestError
 from router.admission import AIMDController
 
 logger = logging.getLogger("baton.realtime")

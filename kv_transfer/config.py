@@ -1,6 +1,6 @@
 """Which KV connector an engine gets, by the role its pool plays.
 
-This is the only place that decides `kv_transfer_config`; engine/args.py calls it while building
+This is the only place that decides `kv_transfer_config`; baton/engine/args.py calls it while building
 EngineArgs, so adding a handoff or an injection connector changes this file, not the engines.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
-from engine.types import MemoryFact, MemoryInjection
+from baton.engine.types import MemoryFact, MemoryInjection
 
 MEMORY_HEADER = "\n\nWhat you remember about the user:\n"
 DEFAULT_SYSTEM = "You are a helpful assistant."

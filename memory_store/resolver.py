@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from engine.types import MemoryFact, MemoryInjection
+from baton.engine.types import MemoryFact, MemoryInjection
 from kv_transfer.segments import KVSegment
 from memory_store.layout import token_hash
 from memory_store.segment_cache import SegmentCache, SegmentKey

@@ -11,9 +11,9 @@ import random
 
 import pytest
 
-from bench.checkpoint_engine import TINY_HYBRID, run_engine
-from engine.checkpoints.config import CheckpointConfig
-from engine.checkpoints.simulate import simulate
+from baton.bench.checkpoint_engine import TINY_HYBRID, run_engine
+from baton.engine.checkpoints.config import CheckpointConfig
+from baton.bench.checkpoint_sim import simulate
 
 B = 128  # LFM2's mamba block size on CPU (= block size with prefix caching)
 STRATEGIES = ["none", "block_dense", "uniform", "balanced", "sqrt", "dyadic", "dp"]

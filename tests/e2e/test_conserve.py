@@ -79,7 +79,7 @@ def test_greedy_output_is_the_same_with_remote_or_local_prefill(url: str) -> Non
 
     from deployments.chat import PromptRenderer
     from deployments.protocol import ChatMessage
-    from engine.types import GenerationRequest, SamplingSpec
+    from baton.engine.types import GenerationRequest, SamplingSpec
     from tests.e2e.conftest import MODEL_DIR
 
     ids = PromptRenderer.from_path(str(MODEL_DIR)).chat_tokens(

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.types import GenerationRequest, SamplingSpec
+from baton.engine.types import GenerationRequest, SamplingSpec
 from kv_transfer.rope import apply_rope, remove_rope, rope_spec_from_hf_config
 from kv_transfer.segments import KVSegment, process_segments
 from memory_store.layout import RecalledFact, memory_prompt
@@ -36,7 +36,7 @@ FACTS = [
 def runner() -> Iterator[Any]:
     if not (MODEL_DIR / "config.json").exists():
         pytest.fail(f"model not provisioned at {MODEL_DIR}: run `make setup`")
-    from engine.local import local_engine
+    from baton.bench.local_engine import local_engine
 
     r = local_engine(MODEL_DIR, max_model_len=2048, kv_cache_gib=0.25, cpu_threads=2, max_num_seqs=8)
     yield r

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from engine.types import GenerationRequest, SamplingSpec
+from baton.engine.types import GenerationRequest, SamplingSpec
 from kv_transfer.ledger import TransferRecord, TransferTotals
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -65,8 +65,8 @@ def _engine_process(conn: Connection, role: str) -> None:
     """Build one engine with the counting NIXL connector, then answer commands until 'stop'."""
     try:
         from deployments.config import EngineConfig
-        from engine.args import build_engine_spec
-        from engine.runner import EngineRunner
+        from baton.engine.args import build_engine_spec
+        from baton.engine.runner import EngineRunner
         from kv_transfer.ledger import process_ledger
         from kv_transfer.nixl import nixl_kv_transfer_config, side_channel_env
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from engine.realtime.manager import RealtimeSessions
-from engine.realtime.messages import RealtimeOpen, RealtimeTick
+from baton.engine.realtime.manager import RealtimeSessions
+from baton.engine.realtime.messages import RealtimeOpen, RealtimeTick
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
@@ -30,7 +30,7 @@ LINES = [
 def runner() -> Iterator[Any]:
     if not (MODEL_DIR / "config.json").exists():
         pytest.fail(f"model not provisioned at {MODEL_DIR}: run `make setup`")
-    from engine.local import local_engine
+    from baton.bench.local_engine import local_engine
 
     r = local_engine(MODEL_DIR, max_model_len=4096, kv_cache_gib=0.25, cpu_threads=2, max_num_seqs=8)
     yield r

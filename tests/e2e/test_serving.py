@@ -118,10 +118,11 @@ def test_bad_requests_get_openai_error_bodies(baton_url: str, body: bytes, statu
 
 
 def test_replay_bfcl_trace_hits_prefix_cache_on_later_turns(baton_url: str, tmp_path: Path) -> None:
-    from traces.format import load_trace
-    from traces.replay import replay
+    from baton.paths import SAMPLE_TRACES
+    from baton.traces.format import load_trace
+    from baton.traces.replay import replay
 
-    convs = load_trace(ROOT / "traces" / "samples" / "agentic_small.jsonl")[:2]
+    convs = load_trace(SAMPLE_TRACES / "agentic_small.jsonl")[:2]
     result = asyncio.run(replay(convs, baton_url, concurrency=2, progress=False))
     records = result.turns
     assert records and all(r.error is None for r in records), [r.error for r in records if r.error]

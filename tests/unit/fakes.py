@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.types import GenerationDelta, GenerationRequest
+from baton.engine.types import GenerationDelta, GenerationRequest
 from router.directory_state import DirectoryState
 from router.policy import TurnPlan
 

@@ -17,12 +17,12 @@ with warnings.catch_warnings():  # Ray Serve's own pydantic models warn on impor
 
     from deployments import backend as backend_module
     from deployments.backend import PoolBackend, ReplicaLost, translate_error
-from engine.types import EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
+from baton.engine.types import EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
 from fakes import FakeDirectory, FakePoolHandle, FakeResponseStream, scripted_deltas
 from router.directory_state import DirectorySettings, DirectoryState
 from router.policy import TurnPlan
 
-TRACEBACK = 'Traceback (most recent call last):\n  File "engine/runner.py", line 1, in generate\nsecret'
+TRACEBACK = 'Traceback (most recent call last):\n  File "baton/engine/runner.py", line 1, in generate\nsecret'
 
 
 def raised_in_replica(cause: BaseException) -> rx.RayTaskError:
@@ -382,7 +382,7 @@ def test_a_conversation_belongs_to_the_user_who_opened_it() -> None:
     """Another user's turn on the same session id is refused before any engine work, as
     ConversationNotFound (404 at the ingress); the owner's conversation is untouched. The same
     holds when the refusal crosses Ray (RayTaskError around ForeignConversation)."""
-    from engine.types import ConversationNotFound
+    from baton.engine.types import ConversationNotFound
     from router.directory_state import ForeignConversation
 
     state = DirectoryState(DirectorySettings(policy="colocated"))

@@ -1,4 +1,4 @@
-"""The checkpoint planner (engine/checkpoints/): exact DP, baselines, histogram, policy. No engine."""
+"""The checkpoint planner (baton/engine/checkpoints/): exact DP, baselines, histogram, policy. No engine."""
 from __future__ import annotations
 
 import time
@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from engine.checkpoints import baselines
-from engine.checkpoints.config import CheckpointConfig
-from engine.checkpoints.depth import PrefixDepthTracker
-from engine.checkpoints.histogram import DepthHistogram
-from engine.checkpoints.plan import CheckpointPlan, expected_recomputed
-from engine.checkpoints.planner import brute_force, solve
-from engine.checkpoints.policy import CheckpointPolicy, plan_for
+from baton.engine.checkpoints import baselines
+from baton.engine.checkpoints.config import CheckpointConfig
+from baton.engine.checkpoints.depth import PrefixDepthTracker
+from baton.engine.checkpoints.histogram import DepthHistogram
+from baton.engine.checkpoints.plan import CheckpointPlan, expected_recomputed
+from baton.engine.checkpoints.planner import brute_force, solve
+from baton.engine.checkpoints.policy import CheckpointPolicy, plan_for
 
 B = 16
 
@@ -182,7 +182,7 @@ def test_config_is_strict() -> None:
 
 
 def test_fill_spare_stays_in_budget_and_never_costs_more() -> None:
-    from engine.checkpoints.policy import fill_spare
+    from baton.engine.checkpoints.policy import fill_spare
 
     rng = np.random.default_rng(4)
     for _ in range(100):

@@ -1,4 +1,4 @@
-"""The one vLLM seam of sparse checkpoints (engine/checkpoints/scheduler.py) still fits vLLM.
+"""The one vLLM seam of sparse checkpoints (baton/engine/checkpoints/scheduler.py) still fits vLLM.
 
 Fails loudly when a vLLM upgrade renames, moves or re-signs a hooked method, or turns
 reachable_block_mask into an instance method. Imports vLLM; starts no engine.
@@ -16,10 +16,10 @@ from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
-from engine.args import checkpoint_engine_args
-from engine.checkpoints import scheduler as seam
-from engine.checkpoints.config import CheckpointConfig
-from engine.checkpoints.plan import CheckpointPlan
+from baton.engine.args import checkpoint_engine_args
+from baton.engine.checkpoints import scheduler as seam
+from baton.engine.checkpoints.config import CheckpointConfig
+from baton.engine.checkpoints.plan import CheckpointPlan
 
 
 @pytest.mark.parametrize("owner, name", list(seam.HOOKED))
@@ -66,7 +66,7 @@ def test_planned_mask_keeps_exactly_the_planned_positions() -> None:
 
 def test_engine_config_wires_the_scheduler_only_when_asked() -> None:
     from deployments.config import EngineConfig
-    from engine.args import build_engine_spec
+    from baton.engine.args import build_engine_spec
 
     def kwargs(**extra: object) -> dict:
         cfg = EngineConfig(model="m", **extra)  # type: ignore[arg-type]

@@ -1,10 +1,10 @@
-"""Client-visible truth of tick sessions (engine/realtime/collapse.py): classification, runs of
+"""Client-visible truth of tick sessions (baton/bench/collapse.py): classification, runs of
 misses, collapse, and the naive server counter that misses the collapse. Pure; milliseconds."""
 from __future__ import annotations
 
 import pytest
 
-from engine.realtime.collapse import (
+from baton.bench.collapse import (
     SessionLedger,
     TickOutcome,
     classify,

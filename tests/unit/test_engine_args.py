@@ -1,4 +1,4 @@
-"""Config -> engine (engine/args.py, kv_transfer/config.py) and config -> Serve options
+"""Config -> engine (baton/engine/args.py, kv_transfer/config.py) and config -> Serve options
 (the pure helpers of deployments/app.py). No engine or Ray is started."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from deployments.config import AppConfig, ConfigError, EngineConfig, PoolConfig, load_app_config
-from engine.args import GIB, EngineSpec, build_engine_spec, resolve_model_path
+from baton.engine.args import GIB, EngineSpec, build_engine_spec, resolve_model_path
 from kv_transfer.config import kv_transfer_engine_arg, kv_transfer_plan
 
 with warnings.catch_warnings():  # Ray Serve's own pydantic models warn on import; not ours to fix

@@ -21,7 +21,7 @@ from deployments.frontend import OpenAIFrontend
 from deployments.metrics import RecordingMetrics
 from deployments.openai_api import build_openai_app
 from deployments.protocol import ChatCompletionRequest
-from engine.types import EngineRequestError, EngineUnavailable, SamplingSpec
+from baton.engine.types import EngineRequestError, EngineUnavailable, SamplingSpec
 from fakes import FakeBackend, FakeDirectory, FakeTokenizer
 from router.directory_state import DirectorySettings, DirectoryState
 

@@ -14,7 +14,7 @@ from deployments.errors import APIError
 from deployments.frontend import OpenAIFrontend
 from deployments.metrics import RecordingMetrics
 from deployments.protocol import ChatCompletionRequest
-from engine.types import EngineUnavailable, GenerationDelta, GenerationRequest
+from baton.engine.types import EngineUnavailable, GenerationDelta, GenerationRequest
 from fakes import FakeTokenizer
 
 

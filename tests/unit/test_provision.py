@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from engine import provision
-from engine.provision import MARKER, ProvisionedModel, ProvisionError, ensure_model
+from baton.tools import provision
+from baton.tools.provision import MARKER, ProvisionedModel, ProvisionError, ensure_model
 
 RECIPE = "test-recipe/1"
 
@@ -167,7 +167,7 @@ HYBRID_DIR = CACHE / provision.TINY_HYBRID_NAME
 provisioned = pytest.mark.skipif(
     not (provision.is_complete(SMOLLM2_DIR, provision.SMOLLM2_RECIPE)
          and provision.is_complete(HYBRID_DIR, provision.TINY_HYBRID_RECIPE)),
-    reason=f"models not provisioned in {CACHE}; run: python -m engine.provision",
+    reason=f"models not provisioned in {CACHE}; run: python -m baton.tools.provision",
 )
 
 

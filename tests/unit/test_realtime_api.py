@@ -23,13 +23,13 @@ from deployments.frontend import OpenAIFrontend
 from deployments.metrics import RecordingMetrics
 from deployments.openai_api import build_openai_app
 from deployments.realtime_api import RealtimeFrontend, parse_frame
-from engine.realtime.messages import (
+from baton.engine.realtime.messages import (
     RealtimeClose,
     RealtimeOpen,
     RealtimeTick,
     TickResult,
 )
-from engine.types import EngineRequestError, EngineUnavailable
+from baton.engine.types import EngineRequestError, EngineUnavailable
 from router.admission import AdmissionConfig
 from router.policy import TurnPlan
 from tests.unit.fakes import FakeBackend, FakeDirectory, FakeTokenizer

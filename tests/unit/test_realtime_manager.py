@@ -1,4 +1,4 @@
-"""engine/realtime/manager.py: RealtimeSessions over a fake engine runner (no vLLM, no Ray).
+"""baton/engine/realtime/manager.py: RealtimeSessions over a fake engine runner (no vLLM, no Ray).
 
 FakeRunner mirrors EngineRunner.generate + the segment connector around one request:
 - injection: offered to process_segments() under the request id (as the runner does), and
@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine.realtime.manager import RealtimeSessions, UnknownSession
-from engine.realtime.messages import RealtimeOpen, RealtimeTick
-from engine.types import (
+from baton.engine.realtime.manager import RealtimeSessions, UnknownSession
+from baton.engine.realtime.messages import RealtimeOpen, RealtimeTick
+from baton.engine.types import (
     EngineRequestError,
     EngineStats,
     EngineUnavailable,

@@ -1,4 +1,4 @@
-"""engine/realtime/session.py: the pure rule that composes a real-time session's ticks.
+"""baton/engine/realtime/session.py: the pure rule that composes a real-time session's ticks.
 
 Segments are FakeSeg (token ids only; nbytes 4/token) built as the segment connector builds
 captures: one per requested range, holding exactly prompt[a:b]. Every plan is also checked the
@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from engine.realtime.session import (
+from baton.engine.realtime.session import (
     SessionSpec,
     SessionState,
     TickPlan,

@@ -6,8 +6,8 @@ import json
 import httpx
 import pytest
 
-from traces.format import Conversation, Turn
-from traces.replay import replay
+from baton.traces.format import Conversation, Turn
+from baton.traces.replay import replay
 
 
 class FakeOpenAI:
@@ -151,7 +151,7 @@ def test_think_time_is_waited():
 
 
 def test_models_endpoint_failure_is_a_clear_error():
-    from traces.replay import ReplayError
+    from baton.traces.replay import ReplayError
 
     transport = httpx.MockTransport(lambda request: httpx.Response(503, json={"error": "down"}))
     with pytest.raises(ReplayError, match="could not list models"):

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from traces.records import ConversationRecord, ReplayResult, TurnRecord
-from traces.report import format_table, percentile, plot, summarize, write_json
+from baton.traces.records import ConversationRecord, ReplayResult, TurnRecord
+from baton.traces.report import format_table, percentile, plot, summarize, write_json
 
 
 def test_percentile_matches_linear_interpolation():

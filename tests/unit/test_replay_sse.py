@@ -1,6 +1,6 @@
 """SSE lines of an OpenAI streaming chat completion -> events -> an accumulated reply."""
 
-from traces.sse import SseEvent, StreamAccumulator, error_message, parse_sse_line
+from baton.traces.sse import SseEvent, StreamAccumulator, error_message, parse_sse_line
 
 
 def test_parse_lines():

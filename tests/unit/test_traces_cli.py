@@ -3,7 +3,7 @@
 import pytest
 
 from baton.cli import build_parser, main
-from traces.format import load_trace
+from baton.traces.format import load_trace
 
 
 def test_parser_has_commands():

@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from traces.format import Conversation, TraceError, Turn, dump_trace, load_trace
+from baton.paths import SAMPLE_TRACES
+from baton.traces.format import Conversation, TraceError, Turn, dump_trace, load_trace
 
-SAMPLES = Path(__file__).resolve().parents[2] / "traces" / "samples"
+SAMPLES = SAMPLE_TRACES
 
 
 def _conv(cid: str = "c1") -> Conversation:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from traces.locomo import LocomoOptions, build_locomo_trace, default_locomo_dir
+from baton.traces.locomo import LocomoOptions, build_locomo_trace, default_locomo_dir
 
 DATA = default_locomo_dir()
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"LoCoMo data not found at {DATA}")

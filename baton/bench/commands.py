@@ -1,0 +1,33 @@
+"""`baton bench <name> [--quick]` (registered by baton/cli.py)."""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+BENCHMARKS = {
+    "overhead": "baton.bench.overhead",  # Baton vs bare vLLM, same engine and prompts
+    "conserve": "baton.bench.conserve",  # routing policies on one agentic trace
+    "checkpoints": "baton.bench.checkpoints",  # recurrent-state checkpoint placement (hybrid models)
+    "memory": "baton.bench.memory",  # InferScale: KV vs prompt injection of memories on LoCoMo
+    "reliability": "baton.bench.reliability",  # faults, overload, bad input, isolation (+ soak)
+    "realtime": "baton.bench.realtime",  # Metronome: bounded vs unbounded real-time sessions, cliff, AIMD
+    "window-quality": "baton.bench.window_quality",  # Metronome: sink + window KV perplexity and repetition
+}
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("bench", help="run a benchmark: prints figures, writes JSON + PNG, ends with a RESULT line")
+    p.add_argument("name", choices=sorted(BENCHMARKS))
+    p.add_argument("--quick", action="store_true", help="the same code on a smaller workload (<= 10 min here)")
+    p.add_argument("--out", type=Path, default=None, help="output dir (default runs/bench-<name>-<timestamp>)")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    out = args.out or Path("runs") / f"bench-{args.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    importlib.import_module(BENCHMARKS[args.name]).run(quick=args.quick, out_dir=out)
+    return 0

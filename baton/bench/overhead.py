@@ -1,0 +1,203 @@
+"""Baton's serving overhead against bare vLLM: the same engine arguments, the same token-id
+prompts, the same closed-loop concurrency, one after the other in one run (each phase in its own
+process, one engine at a time, so they do not share the 2 cores).
+
+bare  : vLLM's LLMEngine driven directly in one process (no HTTP, no Ray).
+baton : `ray start` + `serve run` of a Baton config with one decode engine replica, over HTTP
+        (/v1/completions with token-id prompts, SSE), the client in this process.
+Both get the same warm-up requests first.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from baton.bench.stats import PhaseSummary, RequestTiming, summarize_phase
+from baton.paths import REPO_ROOT, SAMPLE_TRACES
+
+ROOT = REPO_ROOT
+TRACE = SAMPLE_TRACES / "agentic_small.jsonl"
+
+
+def build_prompts(model_path: str, n: int) -> list[list[int]]:
+    """First turns of the bundled agentic trace (tool docs + user question), as token ids."""
+    from transformers import AutoTokenizer
+
+    from baton.traces.format import load_trace
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    prompts = []
+    for conv in load_trace(TRACE):
+        for turn in conv.turns:
+            msgs = ([{"role": "system", "content": conv.system}] if conv.system else []) + [{"role": "user", "content": turn.content}]
+            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            prompts.append(list(tok(text, add_special_tokens=False)["input_ids"]))
+            break
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def _engine_config(max_model_len: int) -> Any:
+    from deployments.config import EngineConfig
+
+    return EngineConfig(model="SmolLM2-135M-Instruct", max_model_len=max_model_len, kv_cache_gib=1.0)
+
+
+def _bare_phase(model_path: str, prompts: list[list[int]], max_tokens: int, concurrency: int, warmup: list[list[int]], out: Any) -> None:
+    from baton.engine.args import build_engine_spec
+
+    spec = build_engine_spec(_engine_config(8192), role="decode", policy="colocated", model_path=model_path, on_gpu=False, cache_root=str(ROOT / ".cache"))
+    os.environ.update(spec.env)
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    t0 = time.monotonic()
+    engine = LLMEngine.from_engine_args(EngineArgs(**spec.engine_kwargs))
+    start_s = time.monotonic() - t0
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    for i, ids in enumerate(warmup):  # the same warm-up the Baton phase gets
+        engine.add_request(f"w{i}", {"prompt_token_ids": ids}, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    sent: dict[str, float] = {}
+    first: dict[str, float] = {}
+    timings: list[RequestTiming] = []
+    nxt = 0
+    t_start = time.monotonic()
+    while len(timings) < len(prompts):
+        while len(sent) - len(timings) < concurrency and nxt < len(prompts):
+            rid = f"r{nxt}"
+            engine.add_request(rid, {"prompt_token_ids": prompts[nxt]}, params)
+            sent[rid] = time.monotonic()
+            nxt += 1
+        for o in engine.step():
+            now = time.monotonic()
+            if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
+                first[o.request_id] = now
+            if o.finished:
+                timings.append(RequestTiming(first[o.request_id] - sent[o.request_id], now - sent[o.request_id], max_tokens))
+    wall = time.monotonic() - t_start
+    out.put({"summary": asdict(summarize_phase("bare_vllm", timings, wall)), "start_s": start_s, "rss_bytes": _rss()})
+
+
+def _baton_phase(model_path: str, prompts: list[list[int]], max_tokens: int, concurrency: int, warmup: list[list[int]]) -> dict[str, Any]:
+    from baton.bench.cluster import LocalServeApp, replica_rss_bytes
+
+    cfg = _engine_config(8192).model_dump()
+    args = {
+        "ingress": {"served_model_name": "SmolLM2-135M-Instruct"},
+        "prefill": {"num_replicas": 0, "engine": cfg},
+        "decode": {"num_replicas": 1, "resources": {"num_cpus": 1, "custom": {"decode_slot": 1}}, "engine": cfg},
+    }
+    with LocalServeApp(args, resources={"decode_slot": 1}) as app:
+        url = f"{app.url}/v1/completions"
+        rss = replica_rss_bytes("decode")
+        asyncio.run(_http_closed_loop(url, warmup, max_tokens, 1))
+        timings, wall = asyncio.run(_http_closed_loop(url, prompts, max_tokens, concurrency))
+    return {"summary": asdict(summarize_phase("baton", timings, wall)), "start_s": app.start_seconds, "rss_bytes": rss[0] if rss else 0}
+
+
+async def _http_closed_loop(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[list[RequestTiming], float]:
+    import httpx
+
+    async def one(http: httpx.AsyncClient, ids: list[int]) -> RequestTiming:
+        body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        t = time.monotonic()
+        ttft = None
+        async with http.stream("POST", url, json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if ttft is None and line.startswith("data: {") and '"text":""' not in line:
+                    ttft = time.monotonic() - t
+        return RequestTiming(ttft if ttft is not None else float("nan"), time.monotonic() - t, max_tokens)
+
+    queue = list(prompts)
+    timings: list[RequestTiming] = []
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        while queue:
+            timings.append(await one(http, queue.pop(0)))
+
+    async with httpx.AsyncClient(timeout=600) as http:
+        t = time.monotonic()
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+        return timings, time.monotonic() - t
+
+
+def _rss() -> int:
+    with open(f"/proc/{os.getpid()}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _in_child(target: Any, *args: Any) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=target, args=(*args, q))
+    p.start()
+    result = q.get(timeout=1800)
+    p.join(timeout=120)
+    return result
+
+
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    from baton.engine.args import resolve_model_path
+
+    model_path = resolve_model_path("SmolLM2-135M-Instruct", str(ROOT / ".cache" / "models"))
+    n, max_tokens, concurrency = (12, 32, 4) if quick else (32, 64, 8)
+    prompts = build_prompts(model_path, n)
+    print(f"[overhead] {n} prompts ({sum(map(len, prompts)) // n} tokens mean), max_tokens={max_tokens}, concurrency={concurrency}")
+    # warm-up: two short prompts, unrelated to the measured ones (no prefix-cache effect)
+    warmup = [list(range(1000, 1100)), list(range(2000, 2050))]
+    bare = _in_child(_bare_phase, model_path, prompts, max_tokens, concurrency, warmup)
+    print(f"[overhead] bare vLLM : {bare['summary']}")
+    baton = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup)
+    print(f"[overhead] Baton     : {baton['summary']}")
+    b, s = bare["summary"], baton["summary"]
+    ratios = {
+        "ttft_p50_ratio": s["ttft_p50_s"] / b["ttft_p50_s"],
+        "ttft_p95_ratio": s["ttft_p95_s"] / b["ttft_p95_s"],
+        "e2e_p50_ratio": s["e2e_p50_s"] / b["e2e_p50_s"],
+        "throughput_ratio": s["output_tok_per_s"] / b["output_tok_per_s"],
+    }
+    report = {"quick": quick, "requests": n, "max_tokens": max_tokens, "concurrency": concurrency, "bare": bare, "baton": baton, "ratios": ratios}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "overhead.json").write_text(json.dumps(report, indent=2))
+    _plot(PhaseSummary(**b), PhaseSummary(**s), out_dir / "overhead.png")
+    print(json.dumps(report, indent=2))
+    print(f"[overhead] wrote {out_dir / 'overhead.json'} and {out_dir / 'overhead.png'}")
+    print(
+        f"RESULT ttft_p50_ratio={ratios['ttft_p50_ratio']:.3f} e2e_p50_ratio={ratios['e2e_p50_ratio']:.3f} "
+        f"throughput_ratio={ratios['throughput_ratio']:.3f} baton_start_s={baton['start_s']:.1f} "
+        f"replica_rss_gib={baton['rss_bytes'] / (1 << 30):.2f}"
+    )
+    return report
+
+
+def _plot(bare: PhaseSummary, baton: PhaseSummary, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.5))
+    names = ["bare vLLM", "Baton"]
+    for ax, title, vals in (
+        (axes[0], "TTFT p50 / p95 (s)", [(bare.ttft_p50_s, bare.ttft_p95_s), (baton.ttft_p50_s, baton.ttft_p95_s)]),
+        (axes[1], "E2E p50 (s)", [(bare.e2e_p50_s,), (baton.e2e_p50_s,)]),
+        (axes[2], "output tokens/s", [(bare.output_tok_per_s,), (baton.output_tok_per_s,)]),
+    ):
+        width = 0.8 / len(vals[0])
+        for k in range(len(vals[0])):
+            ax.bar([i + k * width for i in range(2)], [v[k] for v in vals], width=width)
+        ax.set_xticks([i + width * (len(vals[0]) - 1) / 2 for i in range(2)], names)
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

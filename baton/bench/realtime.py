@@ -1,0 +1,605 @@
+"""`baton bench realtime`: Metronome — bounded (sink + window) vs unbounded real-time sessions.
+
+Real components only, in this process: one vLLM engine per mode (SmolLM2 on CPU with the segment
+connector, baton/engine/runner.py) with a deliberately small KV pool, fresh for each mode so the modes
+share no cache state; the replica's session manager (baton/engine/realtime/manager.py); the client-side
+ledgers (baton/bench/collapse.py); the cliff fit (router/cliff.py) and the AIMD controller
+(router/admission.py).
+
+Workload: `sessions` long sessions per mode, one opening every `start_every_s` (a ramp), each a
+client task that sends one LoCoMo dialog turn (tokenized with the model's tokenizer) every tick
+period P. A tick's deadline is D after its *scheduled* send time; a session's ticks run in order
+on the replica, so a slow tick delays the next and lateness is what the client sees. A tick still
+unanswered `grace_s` after the session's last deadline is cancelled and counts as missing.
+
+Definitions (reported as measured, nothing simulated):
+- miss: a tick whose reply is late, empty, errored or missing (collapse.classify); collapse: a
+  session with >= DEFAULT_CONSECUTIVE (3) consecutive misses; naive view: the server-side counter
+  (ticks answered without error, errors, misses by its own receive -> last-token time).
+- occupancy ρ: the fraction of the engine's usable KV blocks holding a live session's KV, read from
+  the scheduler's block pool every SAMPLE_S. Unbounded: blocks in use or holding cached prefix KV
+  (each session has its own cache salt, so every cached block is some session's history while no
+  session has ended). Bounded: blocks in use only — its per-tick salts make every cached block
+  single-use, dead KV that vLLM evicts on demand (reported as `cached_blocks`, not in ρ).
+- cliff: ρ(t) = ρ0 + N·r·t fitted (router.cliff.OccupancyTracker, a FIT_WINDOW_S sliding window)
+  at the last sample with ρ < FIT_RHO; the predicted saturation is when the line reaches SAT_RHO,
+  the measured one the first sample with ρ >= SAT_RHO; e = |predicted − measured| / measured, both
+  in seconds since the phase (ramp) began. Compared with the first collapse onset as well.
+- AIMD (bounded engine, after its ramp): 2 × N_sust clients (N_sust = the largest live-session
+  bucket whose ramp p99 ≤ target, all smaller buckets too) ask `can_admit(live)`, refused ones
+  retry after `retry_after_s`; every tick latency is observed (a missing tick as a miss) and
+  `update(now, live)` runs every SAMPLE_S. a = p99 of the admitted sessions' ticks in the steady
+  half / target (a missing tick is +inf).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from baton.bench.collapse import (
+    DEFAULT_CONSECUTIVE,
+    SessionLedger,
+    TickOutcome,
+    is_miss,
+    summarize,
+)
+from router.cliff import OccupancyTracker, prediction_error
+from baton.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
+LOCOMO = ROOT.parent / "shared" / "data" / "locomo"
+PREAMBLE = "You are listening to a live conversation between two friends. After each line, reply with one short comment.\n"
+SAMPLE_S = 0.5
+FIT_RHO = 0.70
+SAT_RHO = 0.97
+FIT_WINDOW_S = 20.0
+BUCKET = 4  # live-session buckets of the latency curve: 1-4, 5-8, ...
+
+
+@dataclass(frozen=True)
+class Workload:
+    sessions: int  # long sessions per mode
+    ticks: int  # ticks per long session
+    start_every_s: float  # ramp: one session opens every this many seconds
+    period_s: float  # P
+    deadline_s: float  # D, from the scheduled send time
+    sink_tokens: int  # S
+    window_tokens: int  # W
+    max_tokens: int  # reply tokens per tick
+    kv_cache_gib: float  # the engine's KV pool (small on purpose)
+    max_model_len: int
+    grace_s: float  # unanswered this long after a session's last deadline: cancelled, missing
+    target_p99_ms: float  # AIMD target
+    aimd_s: float  # AIMD phase length
+    aimd_ticks: int  # ticks per AIMD session
+
+
+# P = D = 8 s, 4 reply tokens: a probe of 20 bounded sessions ticking together at P = 2 s with 8
+# reply tokens took p50 2.2 s per tick on 2 shared cores with the machine otherwise quiet; quick runs
+# at P = 4 s and 6 s collapsed both modes whenever other jobs held the load average at 15-20 (this
+# process then gets ~0.35 cores), so the quick workload leaves ~2.5x that margin. 0.15 GiB = 6.9k
+# tokens: 20 unbounded sessions grow ~5 tokens/s each (a ~36-token LoCoMo turn + 4 reply tokens per
+# tick; measured N·r ≈ 100 tokens/s) and fill it ~90 s after the ramp began, leaving ~55 s of each
+# session past the wall; with 0.2-0.25 GiB the wall came at 123-150 s, too close to the sessions' end
+# (~145 s) to tell a collapse from a slow patch.
+QUICK = Workload(sessions=20, ticks=18, start_every_s=1.5, period_s=8.0, deadline_s=8.0, sink_tokens=16,
+                 window_tokens=256, max_tokens=4, kv_cache_gib=0.15, max_model_len=4096, grace_s=4.0,
+                 target_p99_ms=4000.0, aimd_s=100.0, aimd_ticks=5)
+FULL = Workload(sessions=20, ticks=40, start_every_s=3.0, period_s=8.0, deadline_s=8.0, sink_tokens=16,
+                window_tokens=256, max_tokens=4, kv_cache_gib=0.4, max_model_len=8192, grace_s=4.0,
+                target_p99_ms=4000.0, aimd_s=300.0, aimd_ticks=10)
+
+
+def _runner(model_path: str, wl: Workload) -> Any:
+    from baton.bench.local_engine import local_engine
+
+    # one engine thread: on 2 shared cores a 2-thread OMP pool spins against itself (~10x slower steps)
+    return local_engine(model_path, max_model_len=wl.max_model_len, kv_cache_gib=wl.kv_cache_gib, cpu_threads=1, max_num_seqs=64)
+
+
+async def _warm(runner: Any) -> None:
+    import uuid
+
+    from baton.engine.types import GenerationRequest, SamplingSpec
+
+    req = GenerationRequest(request_id=uuid.uuid4().hex, prompt_token_ids=tuple(range(100, 164)),
+                            sampling=SamplingSpec(max_tokens=4, temperature=0.0), cache_salt=uuid.uuid4().hex)
+    async for _ in runner.generate(req):
+        pass
+
+
+def _dialog_chunks(tok: Any, n_sessions: int, ticks: int) -> list[list[tuple[int, ...]]]:
+    """One list of tokenized LoCoMo turns per session ("speaker: text\\n"), one per tick."""
+    files = sorted(LOCOMO.glob("conv-*.json"))
+    if not files:
+        raise SystemExit(f"LoCoMo data not found at {LOCOMO}")
+    convs = []
+    for f in files:
+        d = json.loads(f.read_text())
+        d = d.get("conversation", d)
+        keys = sorted((k for k in d if k.startswith("session_") and isinstance(d[k], list)), key=lambda k: int(k.split("_")[1]))
+        convs.append([f"{t['speaker']}: {t['text']}\n" for k in keys for t in d[k]])
+    out = []
+    for i in range(n_sessions):
+        turns = convs[i % len(convs)]
+        start = (i // len(convs)) * 11
+        out.append([tuple(tok(turns[(start + k) % len(turns)], add_special_tokens=False)["input_ids"]) for k in range(ticks)])
+    return out
+
+
+@dataclass(frozen=True)
+class TickRecord:
+    session: str
+    seq: int
+    sent_at: float  # scheduled send, s since the phase began
+    live: int  # live sessions at send
+    latency_s: float | None  # None: no reply
+    miss: bool
+    prompt_tokens: int
+    computed_tokens: int
+
+
+class _Phase:
+    """One mode on one engine: owns the session manager, ledgers, tick records and pool samples."""
+
+    def __init__(self, runner: Any, mode: str, wl: Workload, preamble: tuple[int, ...], controller: Any = None):
+        from baton.engine.realtime.manager import RealtimeSessions
+
+        self.runner, self.mode, self.wl, self.preamble, self.controller = runner, mode, wl, preamble, controller
+        self.sessions = RealtimeSessions(runner)
+        self.t0 = time.monotonic()
+        self.live = 0
+        self.ledgers: list[SessionLedger] = []
+        self.ticks: list[TickRecord] = []
+        self.pool: list[dict[str, Any]] = []
+        self.first_close: float | None = None  # when the first session ended (the ramp-down began)
+        self.cpu0 = time.process_time()
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def session(self, sid: str, start_at: float, chunks: Sequence[tuple[int, ...]], stop_at: float = math.inf) -> SessionLedger:
+        """Open, send one chunk every P from start_at (not after stop_at), wait for the replies, close."""
+        from baton.engine.realtime.messages import RealtimeOpen
+
+        wl = self.wl
+        if start_at > self.now():
+            await asyncio.sleep(start_at - self.now())
+        self.sessions.open(RealtimeOpen(sid, self.mode, self.preamble, wl.sink_tokens, wl.window_tokens, wl.max_tokens))  # type: ignore[arg-type]
+        self.live += 1
+        ledger = SessionLedger(sid)
+        self.ledgers.append(ledger)
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            last = start_at
+            for seq, ids in enumerate(chunks):
+                at = start_at + seq * wl.period_s
+                if at > stop_at:
+                    break
+                if at > self.now():
+                    await asyncio.sleep(at - self.now())
+                tasks.append(asyncio.create_task(self._tick(sid, ledger, seq, at, ids)))
+                last = at
+            if tasks:
+                _, pending = await asyncio.wait(tasks, timeout=max(0.0, last + wl.deadline_s + wl.grace_s - self.now()))
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+        finally:
+            self.sessions.close(sid)
+            self.live -= 1
+            if self.first_close is None:
+                self.first_close = self.now()
+        ledger.check_integrity()
+        return ledger
+
+    async def _tick(self, sid: str, ledger: SessionLedger, seq: int, at: float, ids: tuple[int, ...]) -> None:
+        from baton.engine.realtime.messages import RealtimeTick
+
+        live, res, replied = self.live, None, None
+        try:
+            res = await self.sessions.tick(RealtimeTick(sid, seq, ids))
+            replied = self.now()
+        except asyncio.CancelledError:
+            pass  # never answered: recorded as missing
+        ok = res is not None and res.error is None
+        out = TickOutcome(seq=seq, sent_at=at, deadline_at=at + self.wl.deadline_s, replied_at=replied,
+                          text_len=len(res.text) if ok and res is not None else 0,
+                          server_s=res.server_s if ok and res is not None else None,
+                          server_error=res is not None and res.error is not None)
+        ledger.record(out)
+        self.ticks.append(TickRecord(sid, seq, at, live, out.latency_s, is_miss(out),
+                                     res.prompt_tokens if res else 0, res.computed_tokens if res else 0))
+        if self.controller is not None:
+            if out.latency_s is None:
+                self.controller.observe_miss(self.now())
+            else:
+                self.controller.observe(out.latency_s, self.now())
+
+    async def sample_pool(self, stop: asyncio.Event) -> None:
+        bp = self.runner._scheduler.kv_cache_manager.block_pool
+        usable = bp.num_gpu_blocks - 1  # block 0 is vLLM's null block
+        while not stop.is_set():
+            in_use = held = 0
+            for b in bp.blocks:
+                if b.is_null:
+                    continue
+                if b.ref_cnt > 0:
+                    in_use += 1
+                    held += 1
+                elif b.block_hash is not None:
+                    held += 1
+            rho = (held if self.mode == "unbounded" else in_use) / usable
+            self.pool.append({"t": self.now(), "live": self.live, "rho": min(1.0, rho), "in_use_blocks": in_use,
+                              "cached_blocks": len(bp.cached_block_hash_to_block), "held_blocks": held,
+                              "usable_blocks": usable, "kv_usage": self.runner.stats.kv_usage,
+                              "loadavg_1m": os.getloadavg()[0]})
+            try:
+                await asyncio.wait_for(stop.wait(), SAMPLE_S)
+            except TimeoutError:
+                pass
+
+
+# ---- analysis (pure) -----------------------------------------------------------------------------
+
+
+def _p99(values: Sequence[float]) -> float | None:
+    if not values:
+        return None
+    xs = sorted(values)
+    return xs[max(0, math.ceil(0.99 * len(xs)) - 1)]
+
+
+def _p50(values: Sequence[float]) -> float | None:
+    return sorted(values)[len(values) // 2] if values else None
+
+
+def _finite(x: float | None) -> float | None:
+    return None if x is None or math.isinf(x) else x
+
+
+def latency_by_live(ticks: Sequence[TickRecord]) -> list[dict[str, Any]]:
+    """p99 of replied ticks and miss share, per bucket of live sessions at send."""
+    out = []
+    top = max((t.live for t in ticks), default=0)
+    for lo in range(1, top + 1, BUCKET):
+        hi = lo + BUCKET - 1
+        ts = [t for t in ticks if lo <= t.live <= hi]
+        if not ts:
+            continue
+        lat = [t.latency_s for t in ts if t.latency_s is not None]
+        out.append({"live_lo": lo, "live_hi": hi, "live_max": max(t.live for t in ts), "ticks": len(ts), "p50_s": _p50(lat),
+                    "p99_s": _p99(lat), "p99_with_missing_s": _finite(_p99([t.latency_s if t.latency_s is not None else math.inf for t in ts])),
+                    "miss_share": sum(t.miss for t in ts) / len(ts), "missing": sum(t.latency_s is None for t in ts)})
+    return out
+
+
+def sustainable(curve: Sequence[dict[str, Any]], target_s: float) -> int:
+    """The most live sessions seen in the highest bucket whose p99 (and every smaller bucket's) is
+    within target, misses as +inf."""
+    n = 0
+    for b in curve:
+        p = b["p99_with_missing_s"]
+        if p is None or p > target_s:
+            break
+        n = b["live_max"]
+    return n
+
+
+def cliff(pool: Sequence[dict[str, Any]], first_collapse: float | None) -> dict[str, Any]:
+    """Fit at the last sample below FIT_RHO (sliding window), predict the time ρ reaches SAT_RHO."""
+    tracker = OccupancyTracker(window_s=FIT_WINDOW_S, min_samples=5)
+    fit_at = None
+    for s in pool:
+        if s["rho"] >= FIT_RHO:
+            break
+        if s["live"] > 0 and s["rho"] > 0:
+            tracker.add(s["t"], s["rho"], s["live"])
+            fit_at = s["t"]
+    measured = next((s["t"] for s in pool if s["rho"] >= SAT_RHO), None)
+    fc = tracker.forecast(fit_at) if fit_at is not None else None
+    res: dict[str, Any] = {"fit_rho_below": FIT_RHO, "saturation_rho": SAT_RHO, "fit_window_s": FIT_WINDOW_S,
+                           "fit_at_s": fit_at, "measured_saturation_s": measured, "first_collapse_s": first_collapse,
+                           "fit": None, "predicted_saturation_s": None, "error": None, "error_vs_collapse": None}
+    if fc is None:
+        return res
+    predicted = fc.t0 + (SAT_RHO - fc.rho0) / fc.slope_per_s
+    res.update(fit={"rho0": fc.rho0, "t0_s": fc.t0, "slope_per_s": fc.slope_per_s, "per_session_rate": fc.per_session_rate,
+                    "samples": fc.samples, "r2": fc.r2, "t_rho1_s": fc.t_saturation},
+               predicted_saturation_s=predicted)
+    if measured:
+        res["error"] = prediction_error(predicted, measured)
+    if first_collapse:
+        res["error_vs_collapse"] = prediction_error(predicted, first_collapse)
+    return res
+
+
+def mode_report(phase: _Phase) -> dict[str, Any]:
+    s = summarize(phase.ledgers)
+    truths = [led.truth() for led in phase.ledgers]
+    naive = [led.naive_view() for led in phase.ledgers]
+    lat = [t.latency_s for t in phase.ticks if t.latency_s is not None]
+    ramp = [t for t in phase.ticks if phase.first_close is None or t.sent_at < phase.first_close]
+    wall = phase.now()
+    loads = [p["loadavg_1m"] for p in phase.pool]
+    return {
+        "sessions": s.sessions, "collapsed": s.collapsed, "collapse_consecutive": DEFAULT_CONSECUTIVE, "ticks": s.ticks,
+        "truth": {"misses": s.true_misses, "late": sum(t.late for t in truths), "empty": sum(t.empty for t in truths),
+                  "missing": sum(t.missing for t in truths), "on_time": sum(t.on_time for t in truths)},
+        "naive": {"ticks_served": sum(n.ticks_served for n in naive), "errors": s.naive_errors,
+                  "deadline_misses": s.naive_deadline_misses},
+        "first_collapse_s": s.earliest_collapse_onset,
+        "collapse_onsets_s": sorted(t.collapse_onset for t in truths if t.collapse_onset is not None),
+        "p50_s": _p50(lat), "p99_s": _p99(lat),
+        "mean_prompt_tokens": sum(t.prompt_tokens for t in phase.ticks) / max(1, len(phase.ticks)),
+        "mean_computed_tokens": sum(t.computed_tokens for t in phase.ticks) / max(1, len(phase.ticks)),
+        "latency_by_live": latency_by_live(ramp), "latency_by_live_ticks_before_s": phase.first_close,
+        "cpu": {"process_cpu_s": time.process_time() - phase.cpu0, "wall_s": wall,
+                "cores_used": (time.process_time() - phase.cpu0) / max(1e-9, wall),
+                "loadavg_1m_mean": sum(loads) / max(1, len(loads)), "loadavg_1m_max": max(loads, default=0.0)},
+        "occupancy": phase.pool,
+        "ticks_log": [[t.session, t.seq, round(t.sent_at, 3), t.live, None if t.latency_s is None else round(t.latency_s, 3), t.miss]
+                      for t in phase.ticks],  # session, seq, sent_at_s, live, latency_s, miss
+        "peak_rho": max((p["rho"] for p in phase.pool), default=0.0),
+    }
+
+
+# ---- phases --------------------------------------------------------------------------------------
+
+
+async def _ramp(runner: Any, mode: str, wl: Workload, preamble: tuple[int, ...], chunks: list[list[tuple[int, ...]]]) -> dict[str, Any]:
+    phase = _Phase(runner, mode, wl, preamble)
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(phase.sample_pool(stop))
+    await asyncio.gather(*(phase.session(f"{mode}-{i}", 1.0 + i * wl.start_every_s, chunks[i]) for i in range(wl.sessions)))
+    stop.set()
+    await sampler
+    rep = mode_report(phase)
+    rep["wall_s"] = phase.now()
+    rep["cliff"] = cliff(phase.pool, rep["first_collapse_s"])
+    return rep
+
+
+async def _aimd(runner: Any, wl: Workload, preamble: tuple[int, ...], chunks: list[list[tuple[int, ...]]], n_sust: int) -> dict[str, Any]:
+    from router.admission import AdmissionConfig, AIMDController
+
+    # window and min_samples sized so that even a cap of 1 (one tick per P) can be evaluated
+    cfg = AdmissionConfig(target_p99_ms=wl.target_p99_ms, initial_cap=n_sust, max_cap=4 * n_sust,
+                          control_period_s=wl.period_s, window_s=6 * wl.period_s, min_samples=5, retry_after_s=wl.period_s)
+    ctl = AIMDController(cfg, now=0.0)
+    phase = _Phase(runner, "bounded", wl, preamble, controller=ctl)
+    offered = 2 * n_sust
+    refusals = 0
+    caps: list[dict[str, Any]] = []
+    done = asyncio.Event()
+
+    async def client(c: int) -> None:
+        nonlocal refusals
+        await asyncio.sleep(c * wl.period_s / 4)  # arrivals spread over the first seconds
+        k = 0
+        while phase.now() < wl.aimd_s:
+            adm = ctl.can_admit(phase.live)
+            if not adm.admitted:
+                refusals += 1
+                await asyncio.sleep(adm.retry_after_s or wl.period_s)
+                continue
+            src = chunks[(c + k * offered) % len(chunks)]
+            off = (k * wl.aimd_ticks) % max(1, len(src) - wl.aimd_ticks)
+            await phase.session(f"aimd-{c}-{k}", phase.now(), src[off: off + wl.aimd_ticks], stop_at=wl.aimd_s)
+            k += 1
+
+    async def control() -> None:
+        while not done.is_set():
+            d = ctl.update(phase.now(), phase.live)
+            caps.append({"t": phase.now(), "cap": ctl.cap, "live": phase.live, "action": d.action, "reason": d.reason,
+                         "window_p99_s": _finite(d.p99_s), "loadavg_1m": os.getloadavg()[0]})
+            try:
+                await asyncio.wait_for(done.wait(), SAMPLE_S)
+            except TimeoutError:
+                pass
+
+    controller = asyncio.create_task(control())
+    await asyncio.gather(*(client(c) for c in range(offered)))
+    done.set()
+    await controller
+    steady_from = wl.aimd_s / 2
+    steady = [t for t in phase.ticks if t.sent_at >= steady_from]
+    p99 = _p99([t.latency_s if t.latency_s is not None else math.inf for t in steady])
+    steady_caps = [c["cap"] for c in caps if c["t"] >= steady_from]
+    s = summarize(phase.ledgers)
+    cpu_s = time.process_time() - phase.cpu0
+    loads = [c["loadavg_1m"] for c in caps]
+    return {"config": cfg.model_dump(), "cpu": {"cores_used": cpu_s / max(1e-9, phase.now()),
+                                                "loadavg_1m_mean": sum(loads) / max(1, len(loads))}, "sustainable_sessions": n_sust, "offered_sessions": offered,
+            "refusals": refusals, "admitted_sessions": len(phase.ledgers), "steady_from_s": steady_from,
+            "steady_ticks": len(steady), "steady_p99_s": _finite(p99),
+            "steady_p99_replied_s": _p99([t.latency_s for t in steady if t.latency_s is not None]),
+            "steady_miss_share": sum(t.miss for t in steady) / max(1, len(steady)),
+            "steady_cap_mean": sum(steady_caps) / max(1, len(steady_caps)),
+            "steady_cap_range": [min(steady_caps, default=0), max(steady_caps, default=0)],
+            "steady_live_mean": sum(c["live"] for c in caps if c["t"] >= steady_from) / max(1, len(steady_caps)),
+            "p99_over_target": (p99 / cfg.target_p99_s) if p99 is not None else None,
+            "collapsed": s.collapsed, "sessions": s.sessions, "caps": caps,
+            "latency_by_live": latency_by_live(phase.ticks), "wall_s": phase.now()}
+
+
+async def _main(quick: bool, out_dir: Path) -> dict[str, Any]:
+    from baton.engine.args import resolve_model_path
+
+    wl = QUICK if quick else FULL
+    model_path = resolve_model_path("SmolLM2-135M-Instruct", str(ROOT / ".cache" / "models"))
+    t_start = time.perf_counter()
+    modes: dict[str, Any] = {}
+    aimd: dict[str, Any] = {}
+    tok = None
+    for mode in ("unbounded", "bounded"):  # a fresh engine (empty KV pool and prefix cache) per mode
+        t0 = time.perf_counter()
+        runner = _runner(model_path, wl)
+        try:
+            if tok is None:  # after the first engine: transformers pulls in torch, which must see OMP_NUM_THREADS
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(model_path)
+                preamble = tuple(tok(PREAMBLE, add_special_tokens=False)["input_ids"])
+                chunks = _dialog_chunks(tok, max(wl.sessions, 40), wl.ticks)
+            await _warm(runner)
+            print(f"[realtime] {mode}: engine up in {time.perf_counter() - t0:.1f}s, KV pool "
+                  f"{runner.stats.kv_capacity_tokens} tokens ({wl.kv_cache_gib} GiB)", flush=True)
+            modes[mode] = await _ramp(runner, mode, wl, preamble, chunks)
+            modes[mode]["kv_capacity_tokens"] = runner.stats.kv_capacity_tokens
+            _print_mode(mode, modes[mode])
+            if mode == "bounded":
+                n_sust = sustainable(modes[mode]["latency_by_live"], wl.target_p99_ms / 1000) or 1
+                print(f"[realtime] AIMD: sustainable N = {n_sust} (bounded ramp p99 <= {wl.target_p99_ms:.0f} ms); "
+                      f"offering {2 * n_sust} sessions for {wl.aimd_s:.0f}s", flush=True)
+                aimd = await _aimd(runner, wl, preamble, chunks, n_sust)
+        finally:
+            runner.shutdown()
+
+    e = modes["unbounded"]["cliff"]["error"]
+    a = aimd.get("p99_over_target")
+    result = {"bounded_collapsed": modes["bounded"]["collapsed"], "unbounded_collapsed": modes["unbounded"]["collapsed"],
+              "cliff_prediction_error": e, "aimd_p99_over_target": a}
+    report = {"quick": quick, "workload": asdict(wl), "modes": modes, "aimd": aimd, "result": result,
+              "wall_s": time.perf_counter() - t_start}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "realtime.json").write_text(json.dumps(report, indent=2))
+    _plot(modes, aimd, wl, out_dir)
+    _print_summary(modes, aimd, wl)
+    print(f"[realtime] wrote {out_dir / 'realtime.json'} and 3 PNGs in {report['wall_s']:.0f}s")
+    fmt = lambda v: "nan" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+    print("RESULT " + " ".join(f"{k}={fmt(v)}" for k, v in result.items()))
+    return report
+
+
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    return asyncio.run(_main(quick, out_dir))
+
+
+# ---- output --------------------------------------------------------------------------------------
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.0f}"
+
+
+def _num(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _print_mode(mode: str, r: dict[str, Any]) -> None:
+    c = r["cliff"]
+    print(f"[realtime] {mode}: {r['collapsed']}/{r['sessions']} collapsed; {r['ticks']} ticks, true misses "
+          f"{r['truth']['misses']} (late {r['truth']['late']}, empty {r['truth']['empty']}, missing {r['truth']['missing']}); "
+          f"naive: {r['naive']['ticks_served']} served, {r['naive']['errors']} errors, {r['naive']['deadline_misses']} "
+          f"deadline misses; p99 {_ms(r['p99_s'])} ms; peak ρ {r['peak_rho']:.2f}; saturation "
+          f"{_num(c['measured_saturation_s'], 1)} s, first collapse {_num(r['first_collapse_s'], 1)} s; this process used "
+          f"{r['cpu']['cores_used']:.2f} cores at load average {r['cpu']['loadavg_1m_mean']:.1f} (max {r['cpu']['loadavg_1m_max']:.1f})",
+          flush=True)
+
+
+def _print_summary(modes: dict[str, Any], aimd: dict[str, Any], wl: Workload) -> None:
+    print(f"\n[realtime] P = D = {wl.period_s}s, S = {wl.sink_tokens}, W = {wl.window_tokens}, max_tokens = {wl.max_tokens}, "
+          f"{wl.sessions} sessions x {wl.ticks} ticks, one opening every {wl.start_every_s}s")
+    print(f"{'mode':<10} {'collapsed':>9} {'ticks':>6} {'true miss':>9} {'naive err':>9} {'naive miss':>10} "
+          f"{'p50 ms':>7} {'p99 ms':>7} {'peak ρ':>6} {'sat s':>6} {'1st coll s':>10}")
+    for m, r in modes.items():
+        sat, fc = r["cliff"]["measured_saturation_s"], r["first_collapse_s"]
+        print(f"{m:<10} {r['collapsed']:>6}/{r['sessions']:<2} {r['ticks']:>6} {r['truth']['misses']:>9} {r['naive']['errors']:>9} "
+              f"{r['naive']['deadline_misses']:>10} {_ms(r['p50_s']):>7} {_ms(r['p99_s']):>7} {r['peak_rho']:>6.2f} "
+              f"{'-' if sat is None else f'{sat:.0f}':>6} {'-' if fc is None else f'{fc:.0f}':>10}")
+    print("\nticks sent before the first session ended, by live sessions at send")
+    print(f"{'live N':<8}" + "".join(f"{m + ' p99 ms / miss%':>30}" for m in modes))
+    rows: dict[str, dict[str, str]] = {}
+    for m, r in modes.items():
+        for b in r["latency_by_live"]:
+            rows.setdefault(f"{b['live_lo']}-{b['live_hi']}", {})[m] = f"{_ms(b['p99_s'])} / {100 * b['miss_share']:.0f}% ({b['ticks']})"
+    for k, v in rows.items():
+        print(f"{k:<8}" + "".join(f"{v.get(m, '-'):>30}" for m in modes))
+    c = modes["unbounded"]["cliff"]
+    if c["fit"]:
+        f = c["fit"]
+        print(f"\n[realtime] cliff (unbounded): fit at t={c['fit_at_s']:.1f}s over {f['samples']} samples: ρ0={f['rho0']:.3f} "
+              f"at t0={f['t0_s']:.1f}s, N·r={f['slope_per_s']:.4f}/s, r={f['per_session_rate'] or float('nan'):.5f}/s/session, "
+              f"R²={f['r2']:.3f}; predicted ρ≥{SAT_RHO} at {c['predicted_saturation_s']:.1f}s, measured "
+              f"{_num(c['measured_saturation_s'], 1)}s -> e={_num(c['error'])}; first collapse {_num(c['first_collapse_s'], 1)}s "
+              f"-> e_vs_collapse={_num(c['error_vs_collapse'])}")
+    else:
+        print(f"\n[realtime] cliff (unbounded): no fit (measured saturation {c['measured_saturation_s']})")
+    if aimd:
+        print(f"[realtime] AIMD: target {wl.target_p99_ms:.0f} ms, offered {aimd['offered_sessions']} (2 x {aimd['sustainable_sessions']}); "
+              f"{aimd['admitted_sessions']} sessions admitted, {aimd['refusals']} refusals; steady cap {aimd['steady_cap_mean']:.1f} "
+              f"(range {aimd['steady_cap_range']}), live {aimd['steady_live_mean']:.1f}; steady p99 {_ms(aimd['steady_p99_s'])} ms "
+              f"over {aimd['steady_ticks']} ticks (misses {100 * aimd['steady_miss_share']:.1f}%), a = {_num(aimd['p99_over_target'])}; "
+              f"{aimd['collapsed']}/{aimd['sessions']} sessions collapsed; {aimd['cpu']['cores_used']:.2f} cores used at load "
+              f"average {aimd['cpu']['loadavg_1m_mean']:.1f}")
+
+
+def _plot(modes: dict[str, Any], aimd: dict[str, Any], wl: Workload, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, r in modes.items():
+        bs = r["latency_by_live"]
+        ax.plot([(b["live_lo"] + b["live_hi"]) / 2 for b in bs], [(b["p99_s"] or math.nan) * 1000 for b in bs], "o-", label=f"{m} p99")
+    ax.axhline(wl.deadline_s * 1000, color="r", ls="--", label="deadline")
+    ax.axhline(wl.target_p99_ms, color="g", ls=":", label="AIMD target")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"live sessions at send (buckets of {BUCKET})")
+    ax.set_ylabel("tick latency p99 (ms, replied ticks)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "realtime_latency.png", dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(modes), figsize=(11, 4), sharey=True)
+    for ax, (m, r) in zip(axes, modes.items()):
+        occ = r["occupancy"]
+        ax.plot([p["t"] for p in occ], [p["rho"] for p in occ], label="ρ")
+        ax.plot([p["t"] for p in occ], [p["live"] / wl.sessions for p in occ], alpha=0.5, label=f"live / {wl.sessions}")
+        c = r["cliff"]
+        if c["fit"] and m == "unbounded":
+            f = c["fit"]
+            t1 = c["predicted_saturation_s"]
+            ax.plot([f["t0_s"], t1], [f["rho0"], f["rho0"] + f["slope_per_s"] * (t1 - f["t0_s"])], "k--", label="fit ρ0+N·r·t")
+            ax.axvline(t1, color="k", ls=":", label=f"predicted {t1:.0f}s")
+        if c["measured_saturation_s"] is not None:
+            ax.axvline(c["measured_saturation_s"], color="r", ls=":", label=f"measured {c['measured_saturation_s']:.0f}s")
+        if r["first_collapse_s"] is not None:
+            ax.axvline(r["first_collapse_s"], color="m", ls="-.", label=f"1st collapse {r['first_collapse_s']:.0f}s")
+        ax.set_title(f"{m}: {r['collapsed']}/{r['sessions']} collapsed")
+        ax.set_xlabel("s since ramp start")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("KV pool occupancy ρ")
+    fig.tight_layout()
+    fig.savefig(out_dir / "realtime_occupancy.png", dpi=120)
+    plt.close(fig)
+
+    if aimd:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        caps = aimd["caps"]
+        ax.step([c["t"] for c in caps], [c["cap"] for c in caps], where="post", label="cap")
+        ax.plot([c["t"] for c in caps], [c["live"] for c in caps], alpha=0.6, label="live sessions")
+        ax.axhline(aimd["sustainable_sessions"], color="g", ls=":", label="N_sust (ramp)")
+        ax.axvline(aimd["steady_from_s"], color="k", ls=":", label="steady part")
+        ax2 = ax.twinx()
+        ax2.plot([c["t"] for c in caps], [(c["window_p99_s"] or math.nan) * 1000 for c in caps], "r.", ms=3, label="window p99")
+        ax2.axhline(wl.target_p99_ms, color="r", ls="--", lw=0.8)
+        ax2.set_ylabel("window p99 (ms)")
+        ax.set_xlabel("s")
+        ax.set_ylabel("sessions")
+        ax.set_title(f"AIMD at {aimd['offered_sessions']} offered: a = {_num(aimd['p99_over_target'])}")
+        ax.legend(loc="upper left", fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out_dir / "realtime_aimd.png", dpi=120)
+        plt.close(fig)

@@ -1,0 +1,124 @@
+"""Real-time sessions on one engine replica: state per session, one tick at a time per session.
+
+Each tick is one engine request composed by baton/engine/realtime/session.py: in bounded mode the
+sink and window KV are injected (re-rotated) through the segment connector and the KV of the
+tick's tokens is captured for the next one; in unbounded mode the whole history is sent and the
+engine's prefix cache keeps the past. A capture that fails drops the session's KV: its next tick
+recomputes sink + window + new tokens from their ids (slower, still correct).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from baton.engine.realtime.messages import RealtimeOpen, RealtimeTick, TickResult
+from baton.engine.realtime.session import SessionSpec, SessionState, after_lost_kv, after_tick, open_session, plan_tick
+from baton.engine.types import EngineRequestError, EngineUnavailable, GenerationRequest, SamplingSpec
+
+logger = logging.getLogger("baton.realtime")
+
+
+@dataclass
+class _Live:
+    state: SessionState
+    lock: asyncio.Lock
+    last_used: float
+
+
+class UnknownSession(KeyError):
+    """No live session with this id on this replica (closed, expired, or never opened here)."""
+
+
+class RealtimeSessions:
+    def __init__(self, runner: Any, idle_timeout_s: float = 300.0):
+        self._runner = runner
+        self._idle_timeout_s = idle_timeout_s
+        self._live: dict[str, _Live] = {}
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def open(self, msg: RealtimeOpen) -> SessionSpec:
+        self._expire()
+        if msg.session_id in self._live:
+            raise EngineRequestError(f"session {msg.session_id!r} is already open")
+        spec = SessionSpec(session_id=msg.session_id, mode=msg.mode, sink_tokens=msg.sink_tokens,
+                           window_tokens=msg.window_tokens, max_tokens=msg.max_tokens, salt=f"rt-{uuid.uuid4().hex}")
+        self._live[msg.session_id] = _Live(open_session(spec, msg.preamble_ids), asyncio.Lock(), time.monotonic())
+        return spec
+
+    def close(self, session_id: str) -> bool:
+        return self._live.pop(session_id, None) is not None
+
+    def held_kv_bytes(self) -> int:
+        """Host memory held by bounded sessions' sink and window segments."""
+        return sum(kv.nbytes for s in self._live.values() for kv in (s.state.sink_kv, s.state.window_kv) if kv is not None)
+
+    async def tick(self, msg: RealtimeTick) -> TickResult:
+        live = self._live.get(msg.session_id)
+        if live is None:
+            raise UnknownSession(msg.session_id)
+        async with live.lock:  # a session's ticks run in order; a slow tick delays the next
+            t0 = time.perf_counter()
+            plan = plan_tick(live.state, msg.input_ids)
+            req = GenerationRequest(request_id=f"rt-{uuid.uuid4().hex}", prompt_token_ids=plan.prompt,
+                                    sampling=SamplingSpec(max_tokens=live.state.spec.max_tokens, temperature=0.0),
+                                    cache_salt=plan.salt)
+            text, tokens, peak, cached = [], [], 0, 0
+            error, fatal = None, False
+            try:
+                async for d in self._runner.generate(req, injection=plan.inject or None, capture=plan.capture):
+                    text.append(d.text)
+                    tokens.extend(d.token_ids)
+                    cached = max(cached, d.cached_tokens)
+                    st = self._runner.stats
+                    peak = max(peak, int(st.kv_usage * st.kv_capacity_tokens))
+                captured = self._take_capture(req.request_id, plan)
+            except (EngineRequestError, EngineUnavailable) as e:
+                error, captured, fatal = str(e), None, isinstance(e, EngineUnavailable)
+            finally:
+                # the runner leaves a capturing request's key (injection and capture) to its
+                # submitter: drop it on every exit (error, cancellation), not only after a take
+                if plan.inject or plan.capture:
+                    from kv_transfer.segments import process_segments
+
+                    process_segments().discard(req.request_id)
+            if error is None:
+                if captured is None:  # keep serving: the next tick recomputes the session's KV
+                    live.state = after_lost_kv(live.state, plan, tuple(tokens))
+                else:
+                    live.state = after_tick(live.state, plan, captured, tuple(tokens))
+            live.last_used = time.monotonic()
+            return TickResult(seq=msg.seq, text="".join(text), token_ids=tuple(tokens), server_s=time.perf_counter() - t0,
+                              prompt_tokens=len(plan.prompt), kv_peak_tokens=peak,
+                              # what the engine really computed: prefix-cache hits count only whole blocks
+                              computed_tokens=len(plan.prompt) - cached if error is None else plan.computed_tokens,
+                              error=error, fatal=fatal)
+
+    def _take_capture(self, key: str, plan: Any) -> tuple[Any, ...] | None:
+        if not plan.capture:
+            return ()
+        from kv_transfer.segments import process_segments
+
+        table = process_segments()
+        try:
+            result = table.take_capture(key)
+        finally:
+            table.discard(key)
+        if result is None or result.error:
+            logger.warning("tick KV capture failed (%s); the session's next tick recomputes", result.error if result else "none")
+            return None
+        segs = result.segments
+        if len(segs) != len(plan.capture) or any(tuple(s.token_ids) != plan.prompt[a:b] for s, (a, b) in zip(segs, plan.capture)):
+            logger.warning("tick KV capture does not match the prompt; the session's next tick recomputes")
+            return None
+        return segs
+
+    def _expire(self) -> None:
+        cutoff = time.monotonic() - self._idle_timeout_s
+        for sid in [s for s, live in self._live.items() if live.last_used < cutoff and not live.lock.locked()]:
+            del self._live[sid]

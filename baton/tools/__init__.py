@@ -1,0 +1,1 @@
+"""Set-up tooling (model provisioning); not imported by the serving path."""
