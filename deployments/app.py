@@ -17,10 +17,11 @@ from deployments.config import AppConfig, ConfigError, PoolConfig, load_app_conf
 from deployments.ingress import Ingress, IngressSettings
 from deployments.pool import EngineReplicaDeployment
 from baton.engine.args import EngineSpec, build_engine_spec, resolve_model_path
+from kv_transfer.config import PoolRole
 from memory_store.deployment import MemoryStoreDeployment
 from router.directory import ConversationDirectoryDeployment
 from router.directory_state import DirectorySettings
-from router.policy import PlacementWeights
+from router.scoring import LoadWeights
 from router.serve_router import TargetedLoadRouter
 
 logger = logging.getLogger("ray.serve")
@@ -87,10 +88,10 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         raise ConfigError(f"decode.engine.model: {e}") from None
     cache_root = project_path(".cache")
 
-    def spec(role: str, pool: PoolConfig) -> EngineSpec:
+    def spec(role: PoolRole, pool: PoolConfig) -> EngineSpec:
         on_gpu = pool.resources.num_gpus > 0
-        return build_engine_spec(pool.engine, role=role, policy=cfg.routing.policy, model_path=model_path, on_gpu=on_gpu,  # type: ignore[arg-type]
-                                 cache_root=cache_root, segments=cfg.memory is not None or cfg.realtime is not None)
+        return build_engine_spec(pool.engine, role=role, handoff=cfg.routing.disaggregated, model_path=model_path,
+                                 on_gpu=on_gpu, cache_root=cache_root, segments=cfg.memory is not None or cfg.realtime is not None)
 
     r = cfg.routing
     directory = ConversationDirectoryDeployment.bind(
@@ -98,7 +99,9 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
             policy=r.policy,
             conversation_ttl_s=r.conversation_ttl_s,
             stale_after_s=r.replica_stale_after_s,
-            weights=PlacementWeights(pin_weight=r.pin_weight, queue_weight=r.queue_weight),
+            # decoder choice weighs KV occupancy 1.0 and sees no queued prefill tokens (as before the
+            # scorers were merged); kv_weight / prefill_token_weight tune the Serve router's ranking
+            weights=LoadWeights(pin_weight=r.pin_weight, queue_weight=r.queue_weight, kv_weight=1.0),
         )
     )
     store = None

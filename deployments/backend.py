@@ -15,6 +15,7 @@ from ray import exceptions as ray_exceptions
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from baton.engine.types import ConversationNotFound, EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
+from deployments.turn_placement import Placement
 from router.directory_state import ForeignConversation
 
 logger = logging.getLogger("ray.serve")
@@ -65,8 +66,9 @@ class PoolBackend:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         for attempt in (1, 2):
-            target, remote_prefill, turn_index = await self._plan(request)
-            kv_params = await self._remote_prefill(request) if remote_prefill else None
+            placement = await self._place(request)
+            target = placement.decode_replica
+            kv_params = await self._remote_prefill(request) if placement.remote_prefill else None
             # the prefill engine injected the memories and its KV arrives over NIXL: the decoder
             # has nothing left to inject (the cache salt stays, so later turns hit that KV)
             memory = None if kv_params else request.memory
@@ -78,12 +80,12 @@ class PoolBackend:
                     if not yielded:
                         if delta.replica and delta.replica != target:
                             await self._tell_directory("served", request.session_id, delta.replica)
-                        delta = replace(delta, turn_index=turn_index)
+                        delta = replace(delta, turn_index=placement.turn_index)
                     yielded = True
                     done = delta.finished
                     yield delta
                 return
-            except Exception as e:  # noqa: BLE001 - translated; unknown errors re-raised as they are
+            except Exception as e:
                 translated = translate_error(e)
                 if translated is e:
                     raise
@@ -98,10 +100,10 @@ class PoolBackend:
                 if not done:
                     cancel_quietly(gen)
 
-    async def _plan(self, request: GenerationRequest) -> tuple[str | None, bool, int | None]:
-        """(decode replica, remote prefill?, turn index) from the directory; without it, place by load."""
+    async def _place(self, request: GenerationRequest) -> Placement:
+        """The directory's plan for this turn; without a directory (or an answer from it), by load."""
         if self._directory is None:
-            return None, False, None
+            return Placement.by_load()
         try:
             plan = await asyncio.wait_for(
                 self._directory.route.remote(request.session_id, request.user, len(request.prompt_token_ids)), DIRECTORY_TIMEOUT_S
@@ -110,9 +112,8 @@ class PoolBackend:
             if isinstance(getattr(e, "cause", None) or e, ForeignConversation):
                 raise ConversationNotFound(request.session_id) from None
             logger.warning("conversation directory could not place %s (%s); placing by load", request.request_id, type(e).__name__)
-            return None, False, None
-        turn = plan.turn_index if request.session_id else None
-        return plan.decode_replica, plan.remote_prefill and self._prefill is not None, turn
+            return Placement.by_load()
+        return Placement.of(plan, prefill_pool=self._prefill is not None, in_conversation=bool(request.session_id))
 
     async def _remote_prefill(self, request: GenerationRequest) -> dict[str, Any] | None:
         """Prefill on the prefill pool; returns the KV handle for the decoder, or None to make the

@@ -9,10 +9,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from baton.engine.config import EngineConfig
 from memory_store.config import MemoryConfig
 from router.admission import AdmissionConfig
-
-from baton.engine.checkpoints.config import CheckpointConfig
+from router.policy import DISAGGREGATED, Policy
 
 
 class _Strict(BaseModel):
@@ -30,7 +30,7 @@ class AutoscalingConfig(_Strict):
     downscale_delay_s: float = Field(120.0, ge=0)
 
     @model_validator(mode="after")
-    def _bounds(self) -> "AutoscalingConfig":
+    def _bounds(self) -> AutoscalingConfig:
         if self.min_replicas > self.max_replicas:
             raise ValueError("min_replicas must be <= max_replicas")
         if self.initial_replicas is not None and not (self.min_replicas <= self.initial_replicas <= self.max_replicas):
@@ -46,29 +46,6 @@ class ResourcesConfig(_Strict):
     accelerator_type: str | None = Field(None, description="Ray accelerator type, e.g. H100 or L4 (GPU clusters)")
     custom: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica")
     memory_gib: float | None = Field(None, gt=0, description="Ray memory reservation per replica")
-
-
-class EngineConfig(_Strict):
-    """vLLM engine arguments of one pool. Turned into `EngineArgs` in exactly one place: baton/engine/args.py."""
-
-    model: str = Field(..., description="path of an HF model folder, or a name under the model cache")
-    tokenizer: str | None = None
-    max_model_len: int = Field(4096, ge=16)
-    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
-    enforce_eager: bool = True
-    enable_prefix_caching: bool = True
-    kv_cache_gib: float = Field(1.0, gt=0, description="KV pool size (VLLM_CPU_KVCACHE_SPACE on CPU)")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1.0, description="GPU only")
-    block_size: int | None = Field(None, ge=1, description="KV block size; None = the platform's default (128 on CPU)")
-    max_num_seqs: int = Field(32, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=16)
-    seed: int = 0
-    cpu_threads: int = Field(1, ge=1, description="torch/OMP threads of an in-process CPU engine")
-    cpu_threads_bind: str = Field("nobind", description="VLLM_CPU_OMP_THREADS_BIND: 'nobind', 'auto' or core ids")
-    extra_engine_args: dict[str, Any] = Field(default_factory=dict, description="passed to EngineArgs unchanged")
-    checkpoints: CheckpointConfig | None = Field(
-        None, description="hybrid models only: recurrent-state checkpoints at planned positions (baton/engine/checkpoints/)"
-    )
 
 
 class PoolConfig(_Strict):
@@ -103,7 +80,7 @@ class IngressConfig(_Strict):
 class RoutingConfig(_Strict):
     """Where each turn of a conversation runs (see router/policy.py for the rules)."""
 
-    policy: Literal["conversation", "per_turn_pd", "colocated", "round_robin"] = Field(
+    policy: Policy = Field(
         "conversation",
         description="conversation: first turn prefilled on the prefill pool, KV moved once (NIXL), later turns pinned to "
         "that decoder; per_turn_pd: remote prefill + KV transfer every turn; colocated: whole requests on the decode "
@@ -118,7 +95,7 @@ class RoutingConfig(_Strict):
 
     @property
     def disaggregated(self) -> bool:
-        return self.policy in ("conversation", "per_turn_pd")
+        return self.policy in DISAGGREGATED
 
 
 class RealtimeConfig(_Strict):
@@ -146,7 +123,7 @@ class AppConfig(_Strict):
     realtime: RealtimeConfig | None = Field(None, description="real-time tick sessions (Metronome); none: /v1/realtime is off")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "AppConfig":
+    def _consistent(self) -> AppConfig:
         if self.prefill is not None and self.prefill.engine.model != self.decode.engine.model:
             raise ValueError(
                 f"prefill and decode pools must serve the same model "

@@ -14,8 +14,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from baton.engine.types import ConversationNotFound, EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
 from deployments.chat import PromptRenderer
-from deployments.errors import APIError, bad_request, overloaded, unavailable
+from deployments.errors import APIError, bad_request, unavailable
+from deployments.inflight import InflightLimit, Ticket
 from deployments.metrics import IngressMetrics
 from deployments.protocol import (
     ChatCompletionRequest,
@@ -26,7 +28,6 @@ from deployments.protocol import (
     completion_response,
     usage,
 )
-from baton.engine.types import ConversationNotFound, EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
 from memory_store.layout import MemoryPrompt
 
 logger = logging.getLogger("baton.api")
@@ -71,16 +72,16 @@ class OpenAIFrontend:
         max_model_len: int,
         default_max_tokens: int,
         metrics: IngressMetrics,
-        max_inflight: int = 1 << 30,
+        admission: InflightLimit | None = None,
     ):
+        """admission: bounds the generation requests in flight (default: unbounded)."""
         self.model_id = model_id
         self._renderer = renderer
         self._backend = backend
         self._max_model_len = max_model_len
         self._default_max_tokens = default_max_tokens
         self._metrics = metrics
-        self._max_inflight = max_inflight
-        self.inflight = 0  # generation requests admitted and not finished (bounded by max_inflight)
+        self._admission = admission if admission is not None else InflightLimit()
 
     def record_rejected(self, endpoint: str, status: int) -> None:
         """Count a request refused before generation (bad input, unknown model, too long)."""
@@ -149,26 +150,25 @@ class OpenAIFrontend:
             ignore_eos=body.ignore_eos,
         )
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
-        req = GenerationRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_token_ids=tuple(ids), sampling=sampling, session_id=session_id, user=body.user)
+        req = GenerationRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_token_ids=tuple(ids), sampling=sampling,
+                                session_id=session_id, user=body.user)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Prepared(endpoint=endpoint, request=req, model=self.model_id, stream=body.stream, include_usage=include_usage)
 
     # ---- generation ----------------------------------------------------------------------------
-    def _admit(self, p: Prepared) -> None:
-        """Bounded work per ingress: beyond max_inflight requests, answer 429 with Retry-After
-        now rather than queue without bound (the engines' own queues are bounded by Serve)."""
-        if self.inflight >= self._max_inflight:
-            self._metrics.request_done(p.endpoint, 429)
-            raise overloaded(f"{self.inflight} requests in flight at this ingress (limit {self._max_inflight}); retry shortly")
-        self.inflight += 1
+    def _admit(self, p: Prepared) -> Ticket:
+        """A slot for this request, or 429 with Retry-After (deployments/inflight.py). The ticket
+        is handed to whatever ends the request; nothing here counts requests."""
+        try:
+            return self._admission.acquire()
+        except APIError as e:
+            self._metrics.request_done(p.endpoint, e.status)
+            raise
 
     async def complete(self, p: Prepared) -> Reply:
         """Non-streaming: the whole reply as one JSON body (raises APIError on failure)."""
-        self._admit(p)
-        try:
+        with self._admit(p):
             return await self._complete(p)
-        finally:
-            self.inflight -= 1
 
     async def _complete(self, p: Prepared) -> Reply:
         t0 = time.monotonic()
@@ -191,18 +191,17 @@ class OpenAIFrontend:
     async def open_stream(self, p: Prepared) -> Reply:
         """Streaming: waits for the engine's first output so that a failure before any token is a
         proper HTTP error (raised here); later failures arrive as an in-stream error event."""
-        self._admit(p)
-        release = _Release(self)
+        ticket = self._admit(p)
         try:
-            reply = await self._open_stream(p, release)
+            reply = await self._open_stream(p, ticket)
         except BaseException:
-            release()
+            ticket.release()
             raise
         if reply.events is not None:  # a stream the server never starts still gives its slot back
-            weakref.finalize(reply.events, release)
+            weakref.finalize(reply.events, ticket.release)
         return reply
 
-    async def _open_stream(self, p: Prepared, release: "_Release") -> Reply:
+    async def _open_stream(self, p: Prepared, ticket: Ticket) -> Reply:
         t0 = time.monotonic()
         acc = _Accumulator(self._metrics, p.endpoint, t0)
         deltas = self._deltas(p)
@@ -217,10 +216,10 @@ class OpenAIFrontend:
             self._metrics.request_done(p.endpoint, 500)
             raise
         replica = first.replica if first is not None else None
-        return Reply(body=None, events=self._stream_events(p, acc, first, deltas, release), replica=replica)
+        return Reply(body=None, events=self._stream_events(p, acc, first, deltas, ticket), replica=replica)
 
-    async def _stream_events(self, p: Prepared, acc: "_Accumulator", first: GenerationDelta | None, rest: AsyncIterator[GenerationDelta],
-                             release: "_Release") -> AsyncIterator[str]:
+    async def _stream_events(self, p: Prepared, acc: _Accumulator, first: GenerationDelta | None, rest: AsyncIterator[GenerationDelta],
+                             ticket: Ticket) -> AsyncIterator[str]:
         rid, model = p.request.request_id, p.model
         chunk: Callable[..., dict[str, Any]]
         status = 499  # client went away unless we get to the end
@@ -253,7 +252,7 @@ class OpenAIFrontend:
             yield sse(APIError(500, f"internal error ({type(e).__name__})", type="server_error", code="internal_error").body())
             yield sse("[DONE]")
         finally:
-            release()
+            ticket.release()
             await rest.aclose()  # type: ignore[attr-defined]  # aborts the engine request if unfinished
             self._metrics.request_done(p.endpoint, status)
 
@@ -272,18 +271,6 @@ class OpenAIFrontend:
             aclose = getattr(gen, "aclose", None)
             if aclose is not None:
                 await aclose()
-
-
-class _Release:
-    """Gives one admitted request's slot back, once, whichever path ends it first."""
-
-    def __init__(self, frontend: "OpenAIFrontend"):
-        self._frontend, self._done = frontend, False
-
-    def __call__(self) -> None:
-        if not self._done:
-            self._done = True
-            self._frontend.inflight -= 1
 
 
 async def _chain(first: list[GenerationDelta], rest: AsyncIterator[GenerationDelta]) -> AsyncIterator[GenerationDelta]:

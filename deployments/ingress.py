@@ -8,16 +8,16 @@ from typing import Any
 
 from ray import serve
 
-from deployments.config import RealtimeConfig
-from memory_store.config import MemoryConfig
-
 from deployments.backend import PoolBackend
 from deployments.chat import PromptRenderer
+from deployments.config import RealtimeConfig
 from deployments.frontend import OpenAIFrontend
+from deployments.inflight import InflightLimit
 from deployments.memory_api import MemoryFrontend
 from deployments.metrics import ServeIngressMetrics
-from deployments.realtime_api import RealtimeFrontend, ServeRealtimeMetrics
 from deployments.openai_api import api_keys_from_env, build_openai_app
+from deployments.realtime_api import RealtimeFrontend, ServeRealtimeMetrics
+from memory_store.config import MemoryConfig
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Ingress:
             max_model_len=settings.max_model_len,
             default_max_tokens=settings.default_max_tokens,
             metrics=ServeIngressMetrics(),
-            max_inflight=settings.max_inflight_requests,
+            admission=InflightLimit(settings.max_inflight_requests),
         )
 
     def __serve_build_asgi_app__(self) -> Any:

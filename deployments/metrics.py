@@ -1,10 +1,14 @@
 """Ingress metrics. `ServeIngressMetrics` exports through Ray Serve's metrics API (Prometheus on
 the Ray metrics port); `RecordingMetrics` keeps observations in memory for tests and reports.
+Engine replicas publish their segment connector's totals through `ServeSegmentMetrics`.
 Labels never carry prompt text or user ids: only endpoint, status and pool."""
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kv_transfer.segment_stats import SegmentStats
 
 _LATENCY_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 _TPOT_BOUNDARIES_S = [0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
@@ -79,3 +83,41 @@ class ServeIngressMetrics:
             self._cached.inc(cached, tags=tags)
         if generated:
             self._generated.inc(generated, tags=tags)
+
+
+# ---- engine replica: segment connector (kv_transfer/segment_stats.py) ------------------------------
+
+SEGMENT_COUNTERS = {
+    "injections": "segment loads laid into the paged KV cache",
+    "injected_tokens": "prompt tokens supplied by segment loads",
+    "load_seconds": "seconds spent laying segments into the paged KV cache",
+    "load_failures": "segment loads that failed (their blocks were recomputed)",
+    "unavailable": "injections asked for whose segments were missing or did not match (recomputed)",
+    "captures": "segment captures handed back to their submitter",
+    "capture_failures": "segment captures that failed (the submitter recomputes)",
+}
+
+
+def segment_increments(published: SegmentStats, now: SegmentStats) -> dict[str, float]:
+    """Pure: how much each `baton_segment_<counter>` grew since the totals last published
+    (counters that did not grow are left out: Prometheus counters only take positive steps)."""
+    step = now - published  # raises if the totals went down
+    return {name: float(getattr(step, name)) for name in SEGMENT_COUNTERS if getattr(step, name) > 0}
+
+
+class ServeSegmentMetrics:
+    """This replica's segment-connector totals as Prometheus counters (`baton_segment_<counter>`;
+    Serve tags each with its deployment and replica, no other labels)."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        from kv_transfer.segment_stats import SegmentStats
+
+        self._counters = {name: metrics.Counter(f"baton_segment_{name}", help_) for name, help_ in SEGMENT_COUNTERS.items()}
+        self._published = SegmentStats()
+
+    def publish(self, now: SegmentStats) -> None:
+        for name, step in segment_increments(self._published, now).items():
+            self._counters[name].inc(step)
+        self._published = now

@@ -6,7 +6,7 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
@@ -15,10 +15,10 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.errors import APIError, bad_request
-from deployments.frontend import OpenAIFrontend
+from deployments.frontend import OpenAIFrontend, Prepared
 from deployments.memory_api import USER_HEADER, MemoryFrontend, resolve_user
-from deployments.realtime_api import CLOSE_POLICY, RealtimeFrontend
 from deployments.protocol import SESSION_ID_MAX, AddMemoriesRequest, ChatCompletionRequest, CompletionRequest
+from deployments.realtime_api import CLOSE_POLICY, RealtimeFrontend
 
 logger = logging.getLogger("baton.api")
 
@@ -26,9 +26,10 @@ SESSION_HEADER = "x-session-id"
 REPLICA_HEADER = "x-baton-replica"  # which engine replica served the request (debugging, tests)
 INGRESS_HEADER = "x-baton-ingress"  # which ingress replica answered
 _FACT_ID_RE = re.compile(r"^[0-9a-f]{32}$")
-_SESSION_RE = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,%d}$" % SESSION_ID_MAX)
+_SESSION_RE = re.compile(rf"^[A-Za-z0-9._:@/+=-]{{1,{SESSION_ID_MAX}}}$")
 
 HealthCheck = Callable[[], Awaitable[dict[str, Any]]]
+Prepare = Callable[[Any, str | None, Request], Awaitable[Prepared]]  # (parsed body, session id, request) -> Prepared
 
 
 def session_id_of(request: Request, body_session: str | None) -> str | None:
@@ -75,17 +76,24 @@ def api_keys_from_env(name: str | None, environ: Mapping[str, str]) -> dict[str,
     return keys
 
 
-def authenticate(header: str | None, keys: Mapping[str, str | None]) -> tuple[bool, str | None]:
-    """(authorized, the key's bound user or None). Constant-time comparison against every key."""
+class Caller(NamedTuple):
+    """Who sent a request: whether its key is valid, and the user that key is bound to (or None)."""
+
+    authorized: bool
+    user: str | None
+
+
+def authenticate(header: str | None, keys: Mapping[str, str | None]) -> Caller:
+    """Constant-time comparison of the bearer key against every configured key."""
     if not header or not header.startswith("Bearer "):
-        return False, None
+        return Caller(False, None)
     given = header[len("Bearer ") :].strip().encode()
     match = [k for k in keys if hmac.compare_digest(given, k.encode())]
-    return (True, keys[match[0]]) if match else (False, None)
+    return Caller(True, keys[match[0]]) if match else Caller(False, None)
 
 
 def authorized(header: str | None, keys: Mapping[str, str | None]) -> bool:
-    return authenticate(header, keys)[0]
+    return authenticate(header, keys).authorized
 
 
 def build_openai_app(
@@ -104,10 +112,10 @@ def build_openai_app(
         @app.middleware("http")
         async def _require_api_key(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
             protected = request.url.path.startswith(("/v1/", "/baton/"))
-            ok, user = authenticate(request.headers.get("authorization"), api_keys)
-            if protected and not ok:
+            caller = authenticate(request.headers.get("authorization"), api_keys)
+            if protected and not caller.authorized:
                 return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key").response()
-            request.state.bound_user = user
+            request.state.bound_user = caller.user
             return await call_next(request)
 
     @app.exception_handler(APIError)
@@ -147,7 +155,7 @@ def build_openai_app(
     async def models() -> dict[str, Any]:
         return frontend.models()
 
-    async def serve_one(request: Request, endpoint: str, model: type[BaseModel], prepare: Callable[[Any, str | None], Any]) -> Any:
+    async def serve_one(request: Request, endpoint: str, model: type[BaseModel], prepare: Prepare) -> Any:
         try:
             body = await _parse(request, model)
             bound = _bound_user(request)
@@ -155,18 +163,21 @@ def build_openai_app(
                 resolve_user(bound, body.user, required=False)
                 body = body.model_copy(update={"user": bound})
             sid = session_id_of(request, body.session_id)
-            prepared = await prepare(body, sid, request) if endpoint == "chat" else prepare(body, sid)
+            prepared = await prepare(body, sid, request)
         except APIError as e:
             frontend.record_rejected(endpoint, e.status)
             raise
         return await _respond(frontend, prepared, sid, ingress_id)
 
-    async def prepare_chat(body: ChatCompletionRequest, sid: str | None, request: Request) -> Any:
+    async def prepare_chat(body: ChatCompletionRequest, sid: str | None, request: Request) -> Prepared:
         if body.memories is None or memory is None:
             return frontend.prepare_chat(body, sid)
         user = resolve_user(_bound_user(request), body.user or request.headers.get(USER_HEADER), required=True)
         assert user is not None
         return frontend.prepare_chat(body, sid, await memory.chat_prompt(body, user))
+
+    async def prepare_completion(body: CompletionRequest, sid: str | None, _: Request) -> Prepared:
+        return frontend.prepare_completion(body, sid)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
@@ -180,14 +191,14 @@ def build_openai_app(
         @app.websocket("/v1/realtime")
         async def realtime_session(ws: WebSocket) -> None:
             # HTTP middleware does not see WebSocket handshakes: check the key here
-            if api_keys and not authenticate(ws.headers.get("authorization"), api_keys)[0]:
+            if api_keys and not authorized(ws.headers.get("authorization"), api_keys):
                 await ws.close(CLOSE_POLICY, reason="invalid or missing API key")
                 return
             await realtime.serve(ws)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        return await serve_one(request, "completions", CompletionRequest, frontend.prepare_completion)
+        return await serve_one(request, "completions", CompletionRequest, prepare_completion)
 
     return app
 
@@ -235,7 +246,7 @@ def _fact_id(fact_id: str) -> str:
     return fact_id
 
 
-async def _respond(frontend: OpenAIFrontend, prepared: Any, sid: str | None, ingress_id: str | None) -> Any:
+async def _respond(frontend: OpenAIFrontend, prepared: Prepared, sid: str | None, ingress_id: str | None) -> Any:
     reply = await (frontend.open_stream(prepared) if prepared.stream else frontend.complete(prepared))
     headers = {SESSION_HEADER: sid} if sid else {}
     if ingress_id:

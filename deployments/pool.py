@@ -12,6 +12,10 @@ from ray import serve
 from ray.serve import metrics
 
 from deployments.log_guard import serve_logging_kept
+from deployments.metrics import ServeSegmentMetrics
+from deployments.replica_report import replica_report
+from kv_transfer.ledger import process_ledger
+from kv_transfer.segment_stats import segment_stats
 from baton.engine.args import EngineSpec
 from baton.engine.realtime.manager import RealtimeSessions, UnknownSession
 from baton.engine.realtime.messages import RealtimeClose, RealtimeOpen, RealtimeTick, TickResult
@@ -54,6 +58,7 @@ class EngineReplica:
         self._kv_gauge = metrics.Gauge("baton_engine_kv_usage", "fraction of the KV pool in use")
         self._running_gauge = metrics.Gauge("baton_engine_running_requests", "requests the engine is running")
         self._waiting_gauge = metrics.Gauge("baton_engine_waiting_requests", "requests waiting in the engine")
+        self._segment_metrics = ServeSegmentMetrics()
         logger.info("pool %s: engine up in %.1fs (pid %d)", pool, self.start_seconds, os.getpid())
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
@@ -124,13 +129,16 @@ class EngineReplica:
         self._kv_gauge.set(stats.kv_usage)
         self._running_gauge.set(stats.num_running)
         self._waiting_gauge.set(stats.num_waiting)
-        report = {**stats.as_routing_stats(), **transfer_stats()}
+        seg = segment_stats()
+        self._segment_metrics.publish(seg)
+        extra = seg.as_report()
         if ck is not None:  # shown per replica in /baton/stats
-            report.update(checkpoints_held=ck.checkpoints_held, checkpoint_state_bytes=ck.state_bytes,
-                          checkpoint_hit_tokens=ck.hit_tokens, checkpoint_recomputed_tokens=ck.recomputed_tokens)
+            extra.update(checkpoints_held=ck.checkpoints_held, checkpoint_state_bytes=ck.state_bytes,
+                         checkpoint_hit_tokens=ck.hit_tokens, checkpoint_recomputed_tokens=ck.recomputed_tokens)
+        report = replica_report(self._replica_id, self._pool, stats, process_ledger().totals(), extra)
         if self._directory is not None and stats.healthy:
-            self._directory.report.remote(self._replica_id, self._pool, report)
-        return report
+            self._directory.report.remote(report)
+        return report.figures()
 
     async def engine_stats(self) -> EngineStats:
         return self._runner.stats
@@ -156,18 +164,6 @@ def engine_spec_for_this_replica(spec: EngineSpec) -> EngineSpec:
     from kv_transfer.nixl import side_channel_env
 
     return replace(spec, env={**spec.env, **side_channel_env()})
-
-
-def transfer_stats() -> dict[str, Any]:
-    from kv_transfer.ledger import process_ledger
-
-    t = process_ledger().totals()
-    return {
-        "kv_transfers_received": t.requests_received,
-        "kv_bytes_received": t.bytes_received,
-        "kv_transfer_failures": t.failures,
-        "kv_transfers_offered": t.requests_offered,
-    }
 
 
 def _own_replica_id() -> str:

@@ -10,6 +10,10 @@ Protocol (JSON text frames):
 Errors are {"type": "error", "code", "message", "retry_after_s"?} frames; a frame that is not
 JSON text closes with 1007, a malformed one with 1008, a refused session (AIMD cap reached) with
 1013 "try again later" after an error frame carrying retry_after_s, a dead engine with 1011.
+A client that sends nothing for `realtime.idle_timeout_s` (before session.start or between
+inputs; a slow engine does not count) gets an "idle_timeout" error frame and a close with 4408
+(application range, after HTTP 408 Request Timeout); its engine-side session is closed and its
+admission slot freed, as on every other ending.
 
 A session is pinned to one decode replica for its life (chosen by the conversation directory,
 like a conversation's first turn). Inputs are served in order: a tick that runs late delays the
@@ -25,18 +29,20 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from deployments.backend import translate_error
 from baton.engine.realtime.messages import RealtimeClose, RealtimeOpen, RealtimeTick
 from baton.engine.types import EngineRequestError
+from deployments.backend import translate_error
 from router.admission import AIMDController
 
 logger = logging.getLogger("baton.realtime")
 
 CLOSE_NORMAL, CLOSE_BAD_DATA, CLOSE_POLICY, CLOSE_INTERNAL, CLOSE_TRY_LATER = 1000, 1007, 1008, 1011, 1013
+CLOSE_IDLE = 4408  # the client sent nothing for idle_timeout_s
 _BOUNDARIES_S = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]
 
 
@@ -44,6 +50,14 @@ class FrameError(ValueError):
     def __init__(self, code: str, message: str, close: int = CLOSE_POLICY):
         super().__init__(message)
         self.code, self.close = code, close
+
+
+@dataclass(frozen=True)
+class SessionTiming:
+    """A session's tick period and per-tick deadline (ms), as agreed in session.started."""
+
+    tick_ms: int
+    deadline_ms: int
 
 
 class RealtimeMetrics(Protocol):
@@ -118,7 +132,7 @@ class RealtimeFrontend:
     async def serve(self, ws: WebSocket) -> None:
         await ws.accept()
         try:
-            start = parse_frame(await ws.receive())
+            start = await self._receive(ws)
             if start["type"] != "session.start":
                 raise FrameError("invalid_frame", "the first frame must be session.start")
             open_msg, timing = self._open_message(start)
@@ -140,8 +154,9 @@ class RealtimeFrontend:
             target = await self._place(open_msg)
             replica = await self._decode.realtime_open.remote(dataclasses.replace(open_msg, target_replica=target))
             await ws.send_json({"type": "session.started", "session_id": open_msg.session_id, "mode": open_msg.mode,
-                                "sink_tokens": open_msg.sink_tokens, "window_tokens": open_msg.window_tokens, **timing})
-            await self._ticks(ws, open_msg.session_id, replica, timing["deadline_ms"] / 1000)
+                                "sink_tokens": open_msg.sink_tokens, "window_tokens": open_msg.window_tokens,
+                                "tick_ms": timing.tick_ms, "deadline_ms": timing.deadline_ms})
+            await self._ticks(ws, open_msg.session_id, replica, timing.deadline_ms / 1000)
         except WebSocketDisconnect:
             pass
         except FrameError as e:
@@ -156,7 +171,16 @@ class RealtimeFrontend:
             if replica is not None:
                 self._decode.realtime_close.remote(RealtimeClose(open_msg.session_id, replica))
 
-    def _open_message(self, start: dict[str, Any]) -> tuple[RealtimeOpen, dict[str, int]]:
+    async def _receive(self, ws: WebSocket) -> dict[str, Any]:
+        """The client's next frame; FrameError (4408) when it sends nothing for idle_timeout_s."""
+        timeout_s = self._cfg.idle_timeout_s
+        try:
+            msg = await asyncio.wait_for(ws.receive(), timeout_s)
+        except TimeoutError:
+            raise FrameError("idle_timeout", f"no frame from the client for {timeout_s:g} s; session closed", CLOSE_IDLE) from None
+        return parse_frame(msg)
+
+    def _open_message(self, start: dict[str, Any]) -> tuple[RealtimeOpen, SessionTiming]:
         cfg = self._cfg
         mode = start.get("mode", cfg.mode)
         if mode not in ("bounded", "unbounded"):
@@ -171,7 +195,7 @@ class RealtimeFrontend:
             self._renderer.chat_text([{"role": "system", "content": instructions}], add_generation_prompt=False)))
         msg = RealtimeOpen(session_id=f"rt-{uuid.uuid4().hex}", mode=mode, preamble_ids=preamble,
                            sink_tokens=cfg.sink_tokens, window_tokens=cfg.window_tokens, max_tokens=max_tokens)
-        return msg, {"tick_ms": tick_ms, "deadline_ms": deadline_ms}
+        return msg, SessionTiming(tick_ms=tick_ms, deadline_ms=deadline_ms)
 
     async def _place(self, msg: RealtimeOpen) -> str | None:
         if self._directory is None:
@@ -185,7 +209,7 @@ class RealtimeFrontend:
 
     async def _ticks(self, ws: WebSocket, session_id: str, replica: str, deadline_s: float) -> None:
         while True:
-            data = parse_frame(await ws.receive())
+            data = await self._receive(ws)
             if data["type"] == "session.end":
                 await ws.close(CLOSE_NORMAL)
                 return

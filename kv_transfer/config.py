@@ -1,4 +1,5 @@
-"""Which KV connector an engine gets, by the role its pool plays.
+"""Which KV connector an engine gets, by the role its pool plays and whether it takes part in a
+KV handoff between engines (the routing layer decides that; this module knows no routing policy).
 
 This is the only place that decides `kv_transfer_config`; baton/engine/args.py calls it while building
 EngineArgs, so adding a handoff or an injection connector changes this file, not the engines.
@@ -9,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 PoolRole = Literal["prefill", "decode"]
-RoutingPolicy = Literal["colocated", "conversation", "per_turn_pd", "round_robin"]
 
 
 @dataclass(frozen=True)
@@ -21,14 +21,14 @@ class KVTransferPlan:
     buffer_device: str
 
 
-def kv_transfer_plan(role: PoolRole, policy: RoutingPolicy, on_gpu: bool) -> KVTransferPlan:
-    """Pure: the connector for an engine of `role` under `policy`.
+def kv_transfer_plan(role: PoolRole, *, handoff: bool, on_gpu: bool) -> KVTransferPlan:
+    """Pure: the connector for an engine of `role`.
 
-    colocated / round_robin: every replica serves whole requests, no KV moves between engines.
-    conversation / per_turn_pd: prefill engines produce KV, decode engines consume it (NIXL).
+    handoff False: every replica serves whole requests, no KV moves between engines.
+    handoff True: prefill engines produce KV, decode engines consume it (NIXL).
     """
     device = "cuda" if on_gpu else "cpu"
-    if policy in ("colocated", "round_robin"):
+    if not handoff:
         return KVTransferPlan(connector=None, role=None, buffer_device=device)
     kv_role = "kv_producer" if role == "prefill" else "kv_both"
     return KVTransferPlan(connector="NixlConnector", role=kv_role, buffer_device=device)
@@ -41,7 +41,7 @@ SEGMENT_CONNECTOR = {
 }
 
 
-def kv_transfer_engine_arg(role: PoolRole, policy: RoutingPolicy, on_gpu: bool, segments: bool = False) -> dict[str, Any] | None:
+def kv_transfer_engine_arg(role: PoolRole, *, handoff: bool, on_gpu: bool, segments: bool = False) -> dict[str, Any] | None:
     """The `kv_transfer_config` engine argument.
 
     Handoff: vLLM's NIXL connector wrapped by Baton's counting subclass (kv_transfer/nixl.py), so
@@ -49,7 +49,7 @@ def kv_transfer_engine_arg(role: PoolRole, policy: RoutingPolicy, on_gpu: bool, 
     SegmentConnector (kv_transfer/segment_connector.py). Both: vLLM's MultiConnector, NIXL first —
     a request that arrives with NIXL handoff params loads from NIXL, one that carries segments
     loads them (the first connector that reports tokens wins)."""
-    plan = kv_transfer_plan(role, policy, on_gpu)
+    plan = kv_transfer_plan(role, handoff=handoff, on_gpu=on_gpu)
     nixl = None
     if plan.connector is not None:
         from kv_transfer.nixl import nixl_kv_transfer_config

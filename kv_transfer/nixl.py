@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 from typing import Any
 
 from kv_transfer.ledger import process_ledger
+from kv_transfer.ports import reserve_port
 
 logger = logging.getLogger("baton.kv_transfer")
 
@@ -50,12 +50,14 @@ def side_channel_env(host: str | None = None, port: int | None = None) -> dict[s
     """Environment for one engine process's NIXL side channel (merge into EngineSpec.env).
 
     host: default this node's IP when Ray is initialized here, else 127.0.0.1.
-    port: default a TCP port that was free a moment ago (bound to port 0 and released).
+    port: default a port reserved for this process's life (kv_transfer/ports.py: below the
+    kernel's ephemeral range, held by a per-port lock), so two engines starting at once, or any
+    socket bound to port 0 meanwhile, cannot take it before vLLM's handshake listener binds it.
     """
     if host is None:
         host = _node_ip()
     if port is None:
-        port = _free_port(host)
+        port = reserve_port(host).port
     return {SIDE_CHANNEL_HOST_ENV: host, SIDE_CHANNEL_PORT_ENV: str(port)}
 
 
@@ -84,12 +86,6 @@ def _node_ip() -> str:
     if ray is not None and ray.is_initialized():
         return str(ray.util.get_node_ip_address())
     return "127.0.0.1"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def kv_bytes_per_block(kv_caches: dict[str, Any], num_blocks: int) -> int:

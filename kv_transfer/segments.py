@@ -13,6 +13,8 @@ kv_transfer_params (not the request id, which vLLM rewrites):
 - the connector reads them (`injection(key)`), and writes captures (`put_capture`);
 - the submitter takes captures (`take_capture`) and `discard`s its key when the request ends.
 Invariant: a key is present only between offer/put and take/discard; nothing outlives its request.
+The table holds segments only: each connector side counts its own work
+(kv_transfer/segment_stats.py).
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ class KVSegment:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
-    def slice(self, start: int, end: int) -> "KVSegment":
+    def slice(self, start: int, end: int) -> KVSegment:
         return KVSegment(self.token_ids[start:end], self.keys[:, start:end], self.values[:, start:end])
 
 
@@ -66,7 +68,10 @@ class Injection:
 
     def copy_range(self, start: int, end: int, keys_out: torch.Tensor, values_out: torch.Tensor) -> None:
         """Copy pre-RoPE keys and values of injected positions [start, end) into [L, end-start, H, D]
-        tensors (the caller's reusable buffers: no allocation per request)."""
+        tensors (the caller's reusable buffers: no allocation per request). Every position of the
+        range must be injected: a partial copy would leave stale buffer contents in the cache."""
+        if not 0 <= start < end <= self.end:
+            raise ValueError(f"positions [{start}, {end}) are not within the injected [0, {self.end})")
         pos = 0
         for s in self.segments:
             lo, hi = max(start, pos), min(end, pos + s.num_tokens)
@@ -74,31 +79,6 @@ class Injection:
                 keys_out[:, lo - start : hi - start] = s.keys[:, lo - pos : hi - pos]
                 values_out[:, lo - start : hi - start] = s.values[:, lo - pos : hi - pos]
             pos += s.num_tokens
-
-    def kv_range(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-RoPE keys and values [L, end-start, H, D] of injected positions [start, end)."""
-        keys, values, pos = [], [], 0
-        for s in self.segments:
-            lo, hi = max(start, pos), min(end, pos + s.num_tokens)
-            if lo < hi:
-                keys.append(s.keys[:, lo - pos : hi - pos])
-                values.append(s.values[:, lo - pos : hi - pos])
-            pos += s.num_tokens
-        if not keys:
-            raise ValueError(f"no injected tokens in [{start}, {end})")
-        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
-
-
-@dataclass
-class SegmentStats:
-    """Counters of this process's segment connector (read by the replica's stats report)."""
-
-    injections: int = 0
-    injected_tokens: int = 0
-    load_seconds: float = 0.0  # time spent laying segments into the paged cache
-    load_failures: int = 0
-    unavailable: int = 0  # asked to inject but the segments were missing or did not match
-    captures: int = 0
 
 
 @dataclass(frozen=True)
@@ -116,7 +96,6 @@ class SegmentTable:
         self._lock = threading.Lock()
         self._injections: dict[str, Injection] = {}
         self._captures: dict[str, CaptureResult] = {}
-        self.stats = SegmentStats()
 
     def offer(self, key: str, segments: tuple[KVSegment, ...]) -> Injection:
         inj = Injection(tuple(segments))

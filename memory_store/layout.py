@@ -14,10 +14,11 @@ KV injection sends the same ids with a MemoryInjection that lets the engine load
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
-from baton.engine.types import MemoryFact, MemoryInjection
+from kv_transfer.injection import MemoryFact, MemoryInjection
 
 MEMORY_HEADER = "\n\nWhat you remember about the user:\n"
 DEFAULT_SYSTEM = "You are a helpful assistant."

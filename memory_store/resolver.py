@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from baton.engine.types import MemoryFact, MemoryInjection
+from kv_transfer.injection import MemoryFact, MemoryInjection
 from kv_transfer.segments import KVSegment
 from memory_store.layout import token_hash
 from memory_store.segment_cache import SegmentCache, SegmentKey

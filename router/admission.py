@@ -30,7 +30,8 @@ none before the last reset; latencies >= 0 (+inf for misses).
 Convergence on a latency curve rising through the target at N* (curve(n) <= target iff n <= N*)
 with offered load above N*: the cap climbs by `additive_step` per period to floor(N*) + 1, the
 first period there overshoots, the cap falls to floor(factor * (floor(N*) + 1)) and climbs
-again: a sawtooth in [floor(factor * (floor(N*) + 1)), floor(N*) + 1] (tests/unit/test_admission.py).
+again: a sawtooth in [floor(factor * (floor(N*) + 1)), floor(N*) + 1] (tests/unit/test_admission.py,
+driven by the simulator in baton/bench/admission_sim.py).
 The one probing period per cycle at floor(N*) + 1 runs over target (about 6-9 % of ticks in the
 tests' curves), so a whole-run p99 sits just above the target; to hold an SLO, set target_p99_ms
 about 10 % under it (whole-run p99 = 0.91 x SLO on the same curves).
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -221,78 +221,3 @@ class AIMDController:
             raise AssertionError(f"sample at {times[0]} predates the window start {self._window_start}")
         if any(lat < 0 for _, lat in self._samples):
             raise AssertionError("negative latency in window")
-
-
-# ---- simulation (tests, benchmarks) --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SimStep:
-    t: float
-    offered: int
-    live: int
-    cap: int  # after this step's update
-    latency_s: float | None  # every tick's latency this step (None: no live sessions)
-    decision: Decision
-
-
-@dataclass(frozen=True)
-class SimulationTrace:
-    steps: tuple[SimStep, ...]
-
-    def caps(self, since: float = -math.inf) -> list[int]:
-        return [s.cap for s in self.steps if s.t >= since]
-
-    def latencies(self, since: float = -math.inf) -> list[float]:
-        """One entry per tick (weighted by live sessions), for a whole-run p99."""
-        return [s.latency_s for s in self.steps if s.t >= since and s.latency_s is not None for _ in range(s.live)]
-
-
-def simulate(
-    controller: AIMDController,
-    latency_curve: Callable[[int], float],
-    offered_sessions: int | Callable[[float], int],
-    steps: int,
-    dt: float,
-    *,
-    start: float = 0.0,
-    session_s: float | None = None,
-) -> SimulationTrace:
-    """Drive `controller` against a simulated system whose tick latency is latency_curve(live).
-
-    Each step (one tick period dt) at t = start + i*dt:
-      1. update(t, live) with the live count of the previous step;
-      2. sessions: with session_s None the cap applies at once (live = min(offered, cap), excess
-         sessions are shed); otherwise admitted sessions stay session_s seconds and arrivals
-         fill up to `offered` through can_admit (so a lowered cap bites only as sessions end);
-      3. every live session ticks once, all with latency latency_curve(live) observed at t
-         (+inf from the curve is a miss). So the window p99 is curve(live).
-    """
-    offered_at = offered_sessions if callable(offered_sessions) else (lambda _t, n=offered_sessions: n)
-    ends: list[float] = []  # end times of live sessions (session_s mode)
-    live = 0
-    out: list[SimStep] = []
-    for i in range(steps):
-        t = start + i * dt
-        decision = controller.update(t, live_sessions=live)
-        offered = offered_at(t)
-        if session_s is None:
-            live = min(offered, controller.cap)
-            if offered > live:
-                controller.can_admit(live)  # the refused arrival: marks the cap binding
-            else:
-                controller.note_live(live)
-        else:
-            ends = [e for e in ends if e > t]
-            while len(ends) < offered and controller.can_admit(len(ends)).admitted:
-                ends.append(t + session_s)
-            live = len(ends)
-            controller.note_live(live)
-        latency = latency_curve(live) if live else None
-        for _ in range(live):
-            if latency is not None and math.isinf(latency):
-                controller.observe_miss(t)
-            elif latency is not None:
-                controller.observe(latency, t)
-        out.append(SimStep(t, offered, live, controller.cap, latency, decision))
-    return SimulationTrace(tuple(out))

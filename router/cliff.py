@@ -57,12 +57,12 @@ def fit_cliff(samples: Sequence[OccupancySample], now: float, *, min_samples: in
     sxx = sum((x - mx) ** 2 for x in xs)
     if sxx <= 0:
         return None
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
     slope = sxy / sxx
     if slope <= 0:
         return None
     rho0 = my - slope * mx
-    ss_res = sum((y - (rho0 + slope * x)) ** 2 for x, y in zip(xs, ys))
+    ss_res = sum((y - (rho0 + slope * x)) ** 2 for x, y in zip(xs, ys, strict=True))
     ss_tot = sum((y - my) ** 2 for y in ys)
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
     known = [s.sessions for s in samples if s.sessions is not None]

@@ -11,9 +11,10 @@ from typing import Any
 from ray import serve
 from ray.serve import metrics
 
-from router.directory_state import DirectorySettings, DirectoryState
 from router.cliff import OccupancyTracker
+from router.directory_state import DirectorySettings, DirectoryState
 from router.policy import TurnPlan
+from router.report import ReplicaReport
 
 logger = logging.getLogger("ray.serve")
 
@@ -30,13 +31,15 @@ class ConversationDirectory:
         self._handoffs = metrics.Counter("baton_planned_handoffs", "turns prefilled on the prefill pool with a KV handoff")
         self._occupancy = metrics.Gauge("baton_decoder_kv_usage", "KV occupancy of each decode replica", tag_keys=("decoder",))
         self._pinned = metrics.Gauge("baton_decoder_pinned_conversations", "conversations pinned to each decode replica", tag_keys=("decoder",))
-        self._kv_in = metrics.Gauge("baton_decoder_kv_bytes_received", "KV bytes a decode replica pulled over NIXL (its connector's count)", tag_keys=("decoder",))
+        self._kv_in = metrics.Gauge(
+            "baton_decoder_kv_bytes_received", "KV bytes a decode replica pulled over NIXL (its connector's count)", tag_keys=("decoder",))
         self._eta = metrics.Gauge(
             "baton_decoder_kv_saturation_eta_seconds",
             "predicted seconds until a decode replica's KV pool is full (fit of rho(t) = rho0 + N r t over the last minute; -1: not filling)",
             tag_keys=("decoder",))
         self._trackers: dict[str, OccupancyTracker] = {}
-        self._kv_transfers = metrics.Gauge("baton_decoder_kv_transfers_received", "KV transfers a decode replica completed (its connector's count)", tag_keys=("decoder",))
+        self._kv_transfers = metrics.Gauge(
+            "baton_decoder_kv_transfers_received", "KV transfers a decode replica completed (its connector's count)", tag_keys=("decoder",))
 
     def _ensure_expiry(self) -> None:
         if self._expiry_task is None:
@@ -50,18 +53,19 @@ class ConversationDirectory:
                 logger.info("expired %d idle conversations", len(gone))
             self._live_pins.set(sum(self._state.pinned_counts().values()))
 
-    async def report(self, replica_id: str, pool: str, stats: dict[str, Any]) -> None:
+    async def report(self, report: ReplicaReport) -> None:
         self._ensure_expiry()
-        self._state.report(replica_id, pool, stats, time.monotonic())
-        if pool == "decode":
+        self._state.report(report, time.monotonic())
+        if report.pool == "decode":
+            replica_id = report.replica_id
             tags = {"decoder": replica_id}
-            self._occupancy.set(float(stats.get("kv_usage", 0.0)), tags=tags)
+            self._occupancy.set(report.kv_usage, tags=tags)
             self._pinned.set(self._state.pinned_counts().get(replica_id, 0), tags=tags)
-            self._kv_in.set(float(stats.get("kv_bytes_received", 0)), tags=tags)
-            self._kv_transfers.set(float(stats.get("kv_transfers_received", 0)), tags=tags)
+            self._kv_in.set(float(report.kv_bytes_received), tags=tags)
+            self._kv_transfers.set(float(report.kv_transfers_received), tags=tags)
             now = time.monotonic()
             tracker = self._trackers.setdefault(replica_id, OccupancyTracker(window_s=CLIFF_WINDOW_S))
-            tracker.add(now, min(1.0, max(0.0, float(stats.get("kv_resident", stats.get("kv_usage", 0.0))))))
+            tracker.add(now, min(1.0, max(0.0, report.kv_resident)))
             forecast = tracker.forecast(now)
             self._eta.set(max(0.0, forecast.eta_s) if forecast is not None else -1.0, tags=tags)
 

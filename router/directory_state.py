@@ -12,7 +12,9 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from router.policy import DISAGGREGATED, DecoderView, NoReplicaAvailable, PlacementWeights, Policy, TurnPlan, plan_turn
+from router.policy import DISAGGREGATED, NoReplicaAvailable, Policy, TurnPlan, plan_turn
+from router.report import ReplicaReport
+from router.scoring import LoadWeights, ReplicaLoad
 
 
 class ForeignConversation(LookupError):
@@ -20,10 +22,10 @@ class ForeignConversation(LookupError):
 
 
 @dataclass(frozen=True)
-class ReplicaReport:
-    replica_id: str
-    pool: str  # "prefill" | "decode"
-    stats: dict[str, Any]
+class Reported:
+    """A replica's latest report and when the directory received it."""
+
+    report: ReplicaReport
     at: float
 
 
@@ -42,14 +44,14 @@ class DirectorySettings:
     policy: Policy = "colocated"
     conversation_ttl_s: float = 1800.0
     stale_after_s: float = 10.0  # a replica silent this long is not live
-    weights: PlacementWeights = field(default_factory=PlacementWeights)
+    weights: LoadWeights = field(default_factory=LoadWeights)
     max_conversations: int = 1_000_000
 
 
 class DirectoryState:
     def __init__(self, settings: DirectorySettings):
         self.settings = settings
-        self._replicas: dict[str, ReplicaReport] = {}
+        self._replicas: dict[str, Reported] = {}
         self._failed: dict[str, float] = {}  # replica -> when it failed
         self._pins: dict[str, Pin] = {}
         self._rr = 0
@@ -58,37 +60,38 @@ class DirectoryState:
         self.totals: Counter[str] = Counter()
 
     # ---- replicas ------------------------------------------------------------------------
-    def report(self, replica_id: str, pool: str, stats: dict[str, Any], now: float) -> None:
+    def report(self, report: ReplicaReport, now: float) -> None:
+        replica_id = report.replica_id
         failed_at = self._failed.get(replica_id)
         if failed_at is not None and now - failed_at <= self.settings.stale_after_s:
             return  # a report sent before the failure and delivered after it: ignore
-        self._replicas[replica_id] = ReplicaReport(replica_id, pool, dict(stats), now)
+        self._replicas[replica_id] = Reported(report, now)
         self._failed.pop(replica_id, None)
         self._unreported.pop(replica_id, None)
 
-    def live(self, pool: str, now: float) -> list[ReplicaReport]:
-        return [
-            r for r in self._replicas.values()
-            if r.pool == pool and r.replica_id not in self._failed and now - r.at <= self.settings.stale_after_s
-        ]
+    def _is_live(self, r: Reported, now: float) -> bool:
+        return r.report.replica_id not in self._failed and now - r.at <= self.settings.stale_after_s
 
-    def _decoder_views(self, now: float) -> list[DecoderView]:
+    def live(self, pool: str, now: float) -> list[ReplicaReport]:
+        return [r.report for r in self._replicas.values() if r.report.pool == pool and self._is_live(r, now)]
+
+    def _decoder_loads(self, now: float) -> list[ReplicaLoad]:
         # under per-turn policies a conversation's last decoder is not a commitment: no pin load
         pinned = self.pinned_counts() if self.settings.policy in ("conversation", "colocated") else Counter()
-        views = []
+        loads = []
         for r in self.live("decode", now):
-            capacity = int(r.stats.get("kv_capacity_tokens", 0))
+            capacity = r.kv_capacity_tokens
             turns, tokens = self._unreported.get(r.replica_id, (0, 0))
-            views.append(
-                DecoderView(
+            loads.append(
+                ReplicaLoad(
                     replica_id=r.replica_id,
-                    kv_usage=float(r.stats.get("kv_usage", 0.0)) + (tokens / capacity if capacity else 0.0),
+                    kv_usage=r.kv_usage + (tokens / capacity if capacity else 0.0),
                     kv_capacity_tokens=capacity,
-                    in_flight=int(r.stats.get("in_flight", 0)) + turns,
+                    in_flight=r.in_flight + turns,
                     pinned=pinned.get(r.replica_id, 0),
                 )
             )
-        return views
+        return loads
 
     def pinned_counts(self) -> Counter[str]:
         return Counter(p.decoder for p in self._pins.values())
@@ -108,7 +111,7 @@ class DirectoryState:
         plan = plan_turn(
             s.policy,
             pinned=pin.decoder if pin else None,
-            decoders=self._decoder_views(now),
+            decoders=self._decoder_loads(now),
             prompt_tokens=prompt_tokens,
             prefill_available=bool(self.live("prefill", now)) and s.policy in DISAGGREGATED,
             rr_counter=self._rr,
@@ -183,8 +186,9 @@ class DirectoryState:
         convs = [p for p in self._pins.values()]
         handoffs = sum(p.handoffs for p in convs)
         replicas = {
-            r.replica_id: {"pool": r.pool, "live": r in self.live(r.pool, now), "pinned": pinned.get(r.replica_id, 0), "age_s": round(now - r.at, 3), **r.stats}
-            for r in self._replicas.values()
+            rid: {**r.report.figures(), "pool": r.report.pool, "live": self._is_live(r, now), "pinned": pinned.get(rid, 0),
+                  "age_s": round(now - r.at, 3)}
+            for rid, r in self._replicas.items()
         }
         return {
             "policy": self.settings.policy,
@@ -210,4 +214,4 @@ class DirectoryState:
             raise AssertionError("unreported load on a replica that never reported")
 
 
-__all__ = ["DirectorySettings", "DirectoryState", "NoReplicaAvailable", "Pin", "ReplicaReport"]
+__all__ = ["DirectorySettings", "DirectoryState", "NoReplicaAvailable", "Pin", "Reported"]

@@ -10,35 +10,23 @@ prompt is prefilled on the prefill pool (then its KV moves to the decoder over N
 
 Choosing a decoder for a new conversation uses observations only (no predictor of future turns):
 the first turn's prompt length, each decoder's current KV occupancy and the conversations
-already pinned to it. score = occupancy after admitting this prompt + pin_weight * pinned
-conversations + queue_weight * requests in flight; the lowest score wins. Occupancy is what
-fills up and forces preemption; pinned conversations are load the decoder has already accepted
-(each will come back with more turns); requests in flight break ties within a burst.
+already pinned to it, scored by router/scoring.py's load_score: kv_weight * occupancy after
+admitting this prompt + pin_weight * pinned conversations + queue_weight * requests in flight;
+the lowest score wins. Occupancy is what fills up and forces preemption; pinned conversations
+are load the decoder has already accepted (each will come back with more turns); requests in
+flight break ties within a burst.
+
+The policy names are defined here, once (`Policy`); the config and the directory use this type.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
+from router.scoring import LoadWeights, ReplicaLoad, load_score
+
 Policy = Literal["conversation", "per_turn_pd", "colocated", "round_robin"]
 DISAGGREGATED: frozenset[str] = frozenset({"conversation", "per_turn_pd"})
-
-
-@dataclass(frozen=True)
-class DecoderView:
-    """A live decode (or unified) replica as the directory observes it."""
-
-    replica_id: str
-    kv_usage: float  # fraction of the KV pool in use
-    kv_capacity_tokens: int  # tokens the KV pool holds (0 = unknown)
-    in_flight: int
-    pinned: int  # conversations currently pinned to it
-
-
-@dataclass(frozen=True)
-class PlacementWeights:
-    pin_weight: float = 0.02
-    queue_weight: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -55,26 +43,22 @@ class NoReplicaAvailable(RuntimeError):
     """No live decode replica: the turn cannot be placed now (503)."""
 
 
-def decoder_score(d: DecoderView, prompt_tokens: int, w: PlacementWeights) -> float:
-    projected = d.kv_usage + (prompt_tokens / d.kv_capacity_tokens if d.kv_capacity_tokens else 0.0)
-    return projected + w.pin_weight * d.pinned + w.queue_weight * d.in_flight
-
-
-def choose_decoder(decoders: list[DecoderView], prompt_tokens: int, w: PlacementWeights) -> str:
+def choose_decoder(decoders: list[ReplicaLoad], prompt_tokens: int, w: LoadWeights) -> str:
+    """The least-loaded decoder for a prompt of `prompt_tokens` (ties in replica-id order)."""
     if not decoders:
         raise NoReplicaAvailable("no live decode replica")
-    return min(decoders, key=lambda d: (decoder_score(d, prompt_tokens, w), d.replica_id)).replica_id
+    return min(decoders, key=lambda d: (load_score(d, w, prompt_tokens), d.replica_id)).replica_id
 
 
 def plan_turn(
     policy: Policy,
     *,
     pinned: str | None,
-    decoders: list[DecoderView],
+    decoders: list[ReplicaLoad],
     prompt_tokens: int,
     prefill_available: bool,
     rr_counter: int,
-    w: PlacementWeights,
+    w: LoadWeights,
 ) -> TurnPlan:
     """Pure: the plan for one turn. `pinned` is the conversation's current decoder (None if new
     or unknown); `decoders` are the live decode replicas; `rr_counter` counts round-robin turns."""

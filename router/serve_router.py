@@ -12,7 +12,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from router.placement import LoadWeights, ReplicaLoad, rank_with_target
+from router.placement import rank_with_target
+from router.scoring import LoadWeights, ReplicaLoad
 
 logger = logging.getLogger("baton.router")
 
@@ -22,12 +23,12 @@ class TargetedLoadRouter(RequestRouter):
         self._weights = LoadWeights(kv_weight=kv_weight, queue_weight=queue_weight, prefill_token_weight=prefill_token_weight)
 
     def _load_of(self, replica: RunningReplica) -> ReplicaLoad:
-        stats = replica.routing_stats or {}
+        stats = replica.routing_stats or {}  # ReplicaReport.figures() of the replica's last report
         cached = self.replica_queue_len_cache.get(replica.replica_id)
         return ReplicaLoad(
             replica_id=replica.replica_id.unique_id,
             kv_usage=float(stats.get("kv_usage", 0.0)),
-            queue_len=max(int(stats.get("in_flight", 0)), cached or 0),
+            in_flight=max(int(stats.get("in_flight", 0)), cached or 0),
             pending_prefill_tokens=int(stats.get("pending_prefill_tokens", 0)),
         )
 

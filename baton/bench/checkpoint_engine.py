@@ -21,14 +21,14 @@ TINY_HYBRID = ROOT / ".cache" / "models" / "tiny-lfm2"
 
 def engine_kwargs(mode: str, ckpt: dict[str, Any] | None, max_model_len: int) -> dict[str, Any]:
     """mode: 'nocache' (prefix caching off), 'vllm' (vLLM's own hybrid prefix cache), 'baton' (ckpt)."""
-    from deployments.config import EngineConfig
     from baton.engine.args import build_engine_spec
+    from baton.engine.config import EngineConfig
 
     cfg = EngineConfig(
         model=str(TINY_HYBRID), max_model_len=max_model_len, dtype="float32", kv_cache_gib=0.5, max_num_seqs=4,
         enable_prefix_caching=mode != "nocache", checkpoints=ckpt if mode == "baton" else None,
     )
-    spec = build_engine_spec(cfg, role="decode", policy="colocated", model_path=str(TINY_HYBRID), on_gpu=False, cache_root=str(ROOT / ".cache"))
+    spec = build_engine_spec(cfg, role="decode", handoff=False, model_path=str(TINY_HYBRID), on_gpu=False, cache_root=str(ROOT / ".cache"))
     os.environ.update(spec.env)
     return spec.engine_kwargs
 

@@ -51,7 +51,8 @@ class LocalServeApp:
         ingress.api_keys_env); metrics_export_port: Ray's Prometheus export port (None: Ray's default)."""
         self._args, self._resources, self._num_cpus = args, resources, num_cpus
         self._http_port, self._ray_port, self._timeout = http_port, ray_port, start_timeout_s
-        self._log_dir = log_dir or Path(tempfile.mkdtemp(prefix="baton-serve-"))
+        # absolute: `serve run` runs in the checkout, not in the caller's working directory
+        self._log_dir = (log_dir or Path(tempfile.mkdtemp(prefix="baton-serve-"))).resolve()
         self._serve: subprocess.Popen | None = None
         self._metrics_port = metrics_export_port
         self._env = {**os.environ, **(env or {}), "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": f"127.0.0.1:{ray_port}", "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ.get('PATH', '')}"}

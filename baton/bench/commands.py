@@ -21,13 +21,14 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("bench", help="run a benchmark: prints figures, writes JSON + PNG, ends with a RESULT line")
     p.add_argument("name", choices=sorted(BENCHMARKS))
     p.add_argument("--quick", action="store_true", help="the same code on a smaller workload (<= 10 min here)")
-    p.add_argument("--out", type=Path, default=None, help="output dir (default runs/bench-<name>-<timestamp>)")
+    p.add_argument("--out", type=Path, default=None, help="output dir (default ./runs/bench-<name>-<timestamp>, relative to where you run it)")
     p.set_defaults(func=run_bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    out = args.out or Path("runs") / f"bench-{args.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    # resolved here, once: benches hand paths to `serve run`, whose working directory is the checkout
+    out = (args.out or Path("runs") / f"bench-{args.name}-{dt.datetime.now():%Y%m%d-%H%M%S}").resolve()
     importlib.import_module(BENCHMARKS[args.name]).run(quick=args.quick, out_dir=out)
     return 0

@@ -210,7 +210,7 @@ async def _main(quick: bool, out_dir: Path) -> dict[str, Any]:
 
 async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, list[Any]]], quick: bool,
                    convs: list[str], n_q: int, reps: int, concurrency: int, out_dir: Path) -> dict[str, Any]:
-    from kv_transfer.segments import process_segments
+    from kv_transfer.segment_stats import segment_stats
     from memory_store.resolver import SegmentResolver
 
     resolver = SegmentResolver(runner, store=None, local_capacity_bytes=4 << 30)
@@ -227,10 +227,10 @@ async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, 
             cases += cs
             enc_s += e
         cases_k[k] = cases
-        st = process_segments().stats
-        n0, s0 = st.injections, st.load_seconds
+        before = segment_stats()
         ttft = await _ttft(runner, cases, reps)
-        load_ms = 1000 * (st.load_seconds - s0) / max(1, st.injections - n0)
+        after = segment_stats()
+        load_ms = 1000 * (after.load_seconds - before.load_seconds) / max(1, after.injections - before.injections)
         by_k[k] = {"ttft": ttft, "encode_s": enc_s, "mean_load_ms": load_ms}
         print(f"[memory] k={k:>2}: prompt {ttft['mean_prompt_tokens']:.0f} tokens; TTFT p50 prompt {ttft['prompt']['p50_s'] * 1000:.0f} ms "
               f"vs kv {ttft['kv']['p50_s'] * 1000:.0f} ms (p95 {ttft['prompt']['p95_s'] * 1000:.0f} vs {ttft['kv']['p95_s'] * 1000:.0f}); "

@@ -43,7 +43,7 @@ def build_prompts(model_path: str, n: int) -> list[list[int]]:
 
 
 def _engine_config(max_model_len: int) -> Any:
-    from deployments.config import EngineConfig
+    from baton.engine.config import EngineConfig
 
     return EngineConfig(model="SmolLM2-135M-Instruct", max_model_len=max_model_len, kv_cache_gib=1.0)
 
@@ -51,7 +51,7 @@ def _engine_config(max_model_len: int) -> Any:
 def _bare_phase(model_path: str, prompts: list[list[int]], max_tokens: int, concurrency: int, warmup: list[list[int]], out: Any) -> None:
     from baton.engine.args import build_engine_spec
 
-    spec = build_engine_spec(_engine_config(8192), role="decode", policy="colocated", model_path=model_path, on_gpu=False, cache_root=str(ROOT / ".cache"))
+    spec = build_engine_spec(_engine_config(8192), role="decode", handoff=False, model_path=model_path, on_gpu=False, cache_root=str(ROOT / ".cache"))
     os.environ.update(spec.env)
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs

@@ -5,9 +5,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from deployments.config import EngineConfig
 from baton.engine.checkpoints.config import CheckpointConfig
-from kv_transfer.config import PoolRole, RoutingPolicy, kv_transfer_engine_arg
+from baton.engine.config import EngineConfig
+from kv_transfer.config import PoolRole, kv_transfer_engine_arg
 
 GIB = 1 << 30
 
@@ -46,13 +46,14 @@ def build_engine_spec(
     cfg: EngineConfig,
     *,
     role: PoolRole,
-    policy: RoutingPolicy,
+    handoff: bool,
     model_path: str,
     on_gpu: bool,
     cache_root: str,
     segments: bool = False,
 ) -> EngineSpec:
-    """Pure: EngineArgs kwargs and environment for one engine of a pool."""
+    """Pure: EngineArgs kwargs and environment for one engine of a pool. `handoff`: the engine
+    takes part in a KV handoff between pools (decided by the caller from its routing policy)."""
     kwargs: dict[str, Any] = {
         "model": model_path,
         "tokenizer": cfg.tokenizer or model_path,
@@ -73,7 +74,7 @@ def build_engine_spec(
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if cfg.checkpoints is not None:  # sparse recurrent checkpoints: Baton's scheduler decides every kept state
         kwargs.update(checkpoint_engine_args(cfg.checkpoints))
-    kv_transfer = kv_transfer_engine_arg(role, policy, on_gpu, segments=segments)
+    kv_transfer = kv_transfer_engine_arg(role, handoff=handoff, on_gpu=on_gpu, segments=segments)
     if kv_transfer is not None:
         kwargs["kv_transfer_config"] = kv_transfer
     clash = set(kwargs) & set(cfg.extra_engine_args)

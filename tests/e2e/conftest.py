@@ -90,3 +90,13 @@ def baton_url() -> Any:
         yield url
     finally:
         stop_app()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test under tests/e2e starts real engines: its module must say so (`pytestmark`
+    with `pytest.mark.e2e`), so `-m "not e2e"` selects exactly the fast suite."""
+    here = Path(__file__).resolve().parent
+    unmarked = sorted({str(i.path.relative_to(here)) for i in items
+                       if i.path.resolve().is_relative_to(here) and i.get_closest_marker("e2e") is None})
+    if unmarked:
+        raise pytest.UsageError(f"e2e modules without pytest.mark.e2e: {unmarked}")

@@ -15,6 +15,8 @@ from baton.bench.checkpoint_engine import TINY_HYBRID, run_engine
 from baton.engine.checkpoints.config import CheckpointConfig
 from baton.bench.checkpoint_sim import simulate
 
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
 B = 128  # LFM2's mamba block size on CPU (= block size with prefix caching)
 STRATEGIES = ["none", "block_dense", "uniform", "balanced", "sqrt", "dyadic", "dp"]
 

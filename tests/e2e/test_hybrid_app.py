@@ -14,6 +14,8 @@ import yaml
 
 from tests.e2e.conftest import start_app, stop_app
 
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -14,6 +14,8 @@ import pytest
 
 from tests.e2e.conftest import deploy, e2e_args, start_app, stop_app
 
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
 ALICE_FACTS = [
     "Alice keeps three beehives on her roof in Lisbon.",
     "Alice is allergic to peanuts.",

@@ -19,8 +19,11 @@ import torch
 
 from baton.engine.types import GenerationRequest, SamplingSpec
 from kv_transfer.rope import apply_rope, remove_rope, rope_spec_from_hf_config
+from kv_transfer.segment_stats import segment_stats
 from kv_transfer.segments import KVSegment, process_segments
 from memory_store.layout import RecalledFact, memory_prompt
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
@@ -173,9 +176,9 @@ def test_mismatched_segments_fall_back_to_recompute(runner: Any, renderer: Any) 
     p = _prompt(renderer, "Where does Caroline work?", _whole_context_facts(), window=8)
     (seg,) = _capture(runner, p.token_ids, ((0, p.injection.end),))
     wrong = KVSegment(tuple(reversed(seg.token_ids)), seg.keys, seg.values)  # tokens differ from the prompt's
-    before = process_segments().stats.unavailable
+    before = segment_stats().unavailable
     plain, _ = _run(runner, p.token_ids)
     out, cached = _run(runner, p.token_ids, injection=(wrong,))
     assert out == plain and cached == 0
-    assert process_segments().stats.unavailable == before + 1
+    assert segment_stats().unavailable == before + 1
     assert len(process_segments()) == 0  # nothing left behind in the hand-over table

@@ -64,15 +64,15 @@ PROMPT_BLOCKS = 3  # full blocks before the prompt's last token: N = 3 × 128 + 
 def _engine_process(conn: Connection, role: str) -> None:
     """Build one engine with the counting NIXL connector, then answer commands until 'stop'."""
     try:
-        from deployments.config import EngineConfig
         from baton.engine.args import build_engine_spec
+        from baton.engine.config import EngineConfig
         from baton.engine.runner import EngineRunner
         from kv_transfer.ledger import process_ledger
         from kv_transfer.nixl import nixl_kv_transfer_config, side_channel_env
 
         cfg = EngineConfig(model=str(MODEL_DIR), max_model_len=2048, kv_cache_gib=0.25, max_num_seqs=4)
         spec = build_engine_spec(
-            cfg, role=role, policy="colocated", model_path=str(MODEL_DIR), on_gpu=False, cache_root=str(ROOT / ".cache")  # type: ignore[arg-type]
+            cfg, role=role, handoff=False, model_path=str(MODEL_DIR), on_gpu=False, cache_root=str(ROOT / ".cache")  # type: ignore[arg-type]
         )
         kv_role = "kv_producer" if role == "prefill" else "kv_both"
         spec = dataclasses.replace(

@@ -12,6 +12,8 @@ from websockets.sync.client import connect
 
 from tests.e2e.conftest import e2e_args, start_app, stop_app
 
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
 CAP = 2
 
 

@@ -12,6 +12,8 @@ import pytest
 from baton.engine.realtime.manager import RealtimeSessions
 from baton.engine.realtime.messages import RealtimeOpen, RealtimeTick
 
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 LINES = [

@@ -1,5 +1,6 @@
-"""AIMD admission control (router/admission.py): convergence on a simulated latency curve, refusal
-above the cap, the floor, and the cases where it must hold. No engine; milliseconds."""
+"""AIMD admission control (router/admission.py): convergence on a simulated latency curve
+(baton/bench/admission_sim.py), refusal above the cap, the floor, and the cases where it must
+hold. No engine; milliseconds."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,8 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from router.admission import AdmissionConfig, AIMDController, p99, simulate
+from baton.bench.admission_sim import simulate
+from router.admission import AdmissionConfig, AIMDController, p99
 
 CFG = AdmissionConfig(target_p99_ms=605, initial_cap=8, min_cap=1, max_cap=1024, additive_step=1,
                       multiplicative_factor=0.7, control_period_s=2.0, window_s=10.0, min_samples=20,

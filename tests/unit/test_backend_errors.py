@@ -17,10 +17,12 @@ with warnings.catch_warnings():  # Ray Serve's own pydantic models warn on impor
 
     from deployments import backend as backend_module
     from deployments.backend import PoolBackend, ReplicaLost, translate_error
-from baton.engine.types import EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
 from fakes import FakeDirectory, FakePoolHandle, FakeResponseStream, scripted_deltas
+
+from baton.engine.types import EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
 from router.directory_state import DirectorySettings, DirectoryState
 from router.policy import TurnPlan
+from router.report import ReplicaReport
 
 TRACEBACK = 'Traceback (most recent call last):\n  File "baton/engine/runner.py", line 1, in generate\nsecret'
 
@@ -207,6 +209,13 @@ def test_target_replica_comes_from_the_plan() -> None:
     assert handle.sent[0].kv_transfer_params is None
 
 
+@pytest.mark.parametrize("sid, turn", [("s", 2), (None, None)])
+def test_the_first_delta_carries_the_plans_turn_index_in_a_conversation(sid: str | None, turn: int | None) -> None:
+    plan = TurnPlan("d1", remote_prefill=False, reason="pinned", turn_index=2)
+    got = serve_turn(PoolBackend(decoder(FakeResponseStream(deltas(3, replica="d1"))), None, FakeDirectory([plan])), request(sid))
+    assert [d.turn_index for d in got] == [turn, None, None]
+
+
 def test_a_remote_prefill_happens_when_the_plan_says_so_and_its_kv_params_reach_the_decoder() -> None:
     decode, prefill = decoder(FakeResponseStream(deltas(3, replica="d0"))), prefiller()
     got = serve_turn(PoolBackend(decode, prefill, FakeDirectory([TurnPlan("d0", remote_prefill=True, reason="new")])), request("s", user="u"))
@@ -358,7 +367,7 @@ def test_a_lost_decoder_with_the_real_directory_state_moves_the_conversation() -
     stays on d1 without one."""
     state = DirectoryState(DirectorySettings(policy="conversation"))
     for replica, pool in (("d0", "decode"), ("d1", "decode"), ("p0", "prefill")):
-        state.report(replica, pool, {"kv_usage": 0.0, "kv_capacity_tokens": 1000, "in_flight": 0}, 0.0)
+        state.report(ReplicaReport(replica, pool, kv_capacity_tokens=1000), 0.0)
     directory = FakeDirectory(state=state)
 
     def decode_script(req: GenerationRequest) -> FakeResponseStream:
@@ -386,7 +395,7 @@ def test_a_conversation_belongs_to_the_user_who_opened_it() -> None:
     from router.directory_state import ForeignConversation
 
     state = DirectoryState(DirectorySettings(policy="colocated"))
-    state.report("d0", "decode", {"kv_usage": 0.0, "kv_capacity_tokens": 1000, "in_flight": 0}, 0.0)
+    state.report(ReplicaReport("d0", "decode", kv_capacity_tokens=1000), 0.0)
     decode = FakePoolHandle(lambda req: FakeResponseStream(deltas(2, replica=req.target_replica)))
     backend = PoolBackend(decode, None, FakeDirectory(state=state))
     assert len(serve_turn(backend, request("conv", "alice"))) == 2

@@ -65,12 +65,12 @@ def test_planned_mask_keeps_exactly_the_planned_positions() -> None:
 
 
 def test_engine_config_wires_the_scheduler_only_when_asked() -> None:
-    from deployments.config import EngineConfig
     from baton.engine.args import build_engine_spec
+    from baton.engine.config import EngineConfig
 
     def kwargs(**extra: object) -> dict:
         cfg = EngineConfig(model="m", **extra)  # type: ignore[arg-type]
-        return build_engine_spec(cfg, role="decode", policy="colocated", model_path="/m", on_gpu=False, cache_root="/c").engine_kwargs
+        return build_engine_spec(cfg, role="decode", handoff=False, model_path="/m", on_gpu=False, cache_root="/c").engine_kwargs
 
     on = kwargs(checkpoints={"strategy": "dp", "budget": 4})
     assert on["scheduler_cls"] == seam.SCHEDULER_CLS and on["prefix_cache_retention_interval"] is None

@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 
-from deployments.config import AppConfig, ConfigError, EngineConfig, PoolConfig, load_app_config
 from baton.engine.args import GIB, EngineSpec, build_engine_spec, resolve_model_path
-from kv_transfer.config import kv_transfer_engine_arg, kv_transfer_plan
+from baton.engine.config import EngineConfig
+from deployments.config import AppConfig, ConfigError, PoolConfig, load_app_config
+from kv_transfer.config import PoolRole, kv_transfer_engine_arg, kv_transfer_plan
+from router.policy import DISAGGREGATED
 
 with warnings.catch_warnings():  # Ray Serve's own pydantic models warn on import; not ours to fix
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -22,21 +24,20 @@ MODEL_PATH = "/models/m"
 CACHE_ROOT = "/cache-root"
 
 
-def spec_of(cfg: EngineConfig | None = None, *, role: str = "decode", policy: str = "colocated", on_gpu: bool = False) -> EngineSpec:
+def spec_of(cfg: EngineConfig | None = None, *, role: PoolRole = "decode", handoff: bool = False, on_gpu: bool = False) -> EngineSpec:
     return build_engine_spec(
-        cfg or EngineConfig(model="m"), role=role, policy=policy, model_path=MODEL_PATH, on_gpu=on_gpu, cache_root=CACHE_ROOT  # type: ignore[arg-type]
+        cfg or EngineConfig(model="m"), role=role, handoff=handoff, model_path=MODEL_PATH, on_gpu=on_gpu, cache_root=CACHE_ROOT
     )
 
 
-# ---- kv_transfer_config by policy and role --------------------------------------------------------
+# ---- kv_transfer_config by handoff and role ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["colocated", "round_robin"])
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 @pytest.mark.parametrize("on_gpu", [False, True])
-def test_whole_request_policies_have_no_kv_connector(policy: str, role: str, on_gpu: bool) -> None:
-    assert "kv_transfer_config" not in spec_of(role=role, policy=policy, on_gpu=on_gpu).engine_kwargs
-    assert kv_transfer_plan(role, policy, on_gpu).connector is None  # type: ignore[arg-type]
+def test_engines_without_a_handoff_have_no_kv_connector(role: PoolRole, on_gpu: bool) -> None:
+    assert "kv_transfer_config" not in spec_of(role=role, handoff=False, on_gpu=on_gpu).engine_kwargs
+    assert kv_transfer_plan(role, handoff=False, on_gpu=on_gpu).connector is None
 
 
 NIXL_PLANS = [
@@ -47,29 +48,48 @@ NIXL_PLANS = [
 ]
 
 
-@pytest.mark.parametrize("policy", ["conversation", "per_turn_pd"])
 @pytest.mark.parametrize("role, on_gpu, expected", NIXL_PLANS)
-def test_disaggregated_policies_plan_nixl_by_role(policy: str, role: str, on_gpu: bool, expected: dict[str, str]) -> None:
-    plan = kv_transfer_plan(role, policy, on_gpu)  # type: ignore[arg-type]
+def test_handoff_engines_plan_nixl_by_role(role: PoolRole, on_gpu: bool, expected: dict[str, str]) -> None:
+    plan = kv_transfer_plan(role, handoff=True, on_gpu=on_gpu)
     assert {"kv_connector": plan.connector, "kv_role": plan.role, "kv_buffer_device": plan.buffer_device} == expected
 
 
-@pytest.mark.parametrize("policy", ["colocated", "round_robin"])
-def test_whole_request_policies_need_no_nixl_module(policy: str) -> None:
+def test_engines_without_a_handoff_need_no_nixl_module() -> None:
     # kv_transfer.nixl (vLLM/NIXL imports) is only imported when a connector is configured
-    assert kv_transfer_engine_arg("decode", policy, False) is None  # type: ignore[arg-type]
+    assert kv_transfer_engine_arg("decode", handoff=False, on_gpu=False) is None
 
 
-@pytest.mark.parametrize("policy", ["conversation", "per_turn_pd"])
 @pytest.mark.parametrize("role, on_gpu, expected", NIXL_PLANS)
-def test_disaggregated_engines_get_the_nixl_connector_in_their_kwargs(policy: str, role: str, on_gpu: bool, expected: dict[str, str]) -> None:
-    pytest.importorskip("kv_transfer.nixl")
-    kv = spec_of(role=role, policy=policy, on_gpu=on_gpu).engine_kwargs["kv_transfer_config"]
-    assert kv == kv_transfer_engine_arg(role, policy, on_gpu)  # type: ignore[arg-type]
+def test_handoff_engines_get_the_nixl_connector_in_their_kwargs(role: PoolRole, on_gpu: bool, expected: dict[str, str]) -> None:
+    kv = spec_of(role=role, handoff=True, on_gpu=on_gpu).engine_kwargs["kv_transfer_config"]
+    assert kv == kv_transfer_engine_arg(role, handoff=True, on_gpu=on_gpu)
     # Baton's counting subclass of vLLM's NIXL connector, with the role and device of the plan
     assert kv["kv_role"] == expected["kv_role"] and kv["kv_buffer_device"] == expected["kv_buffer_device"]
     assert "Nixl" in str(kv.get("kv_connector", "")) + str(kv.get("kv_connector_module_path", ""))
     assert kv.get("kv_load_failure_policy") == "recompute"  # a failed pull is recomputed, the request succeeds
+
+
+@pytest.mark.parametrize("policy", ["conversation", "per_turn_pd", "colocated", "round_robin"])
+def test_build_app_gives_engines_a_handoff_exactly_under_disaggregated_policies(
+    policy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The routing layer's DISAGGREGATED set, not the KV bridge, decides which engines hand KV off."""
+    import deployments.app as app
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    calls: list[tuple[str, bool]] = []
+
+    def recording(cfg: EngineConfig, **kw: Any) -> EngineSpec:
+        calls.append((kw["role"], kw["handoff"]))
+        return build_engine_spec(cfg, **{**kw, "handoff": False})  # no NIXL import needed here
+
+    monkeypatch.setattr(app, "build_engine_spec", recording)
+    prefill_replicas = 1 if policy in DISAGGREGATED else 0
+    app.build_app({"model_cache": str(tmp_path), "routing": {"policy": policy},
+                   "prefill": {"num_replicas": prefill_replicas, "engine": {"model": "m"}}, "decode": {"engine": {"model": "m"}}})
+    handoff = policy in DISAGGREGATED
+    assert calls == ([("decode", True), ("prefill", True)] if handoff else [("decode", False)])
 
 
 # ---- engine kwargs -----------------------------------------------------------------------------
@@ -119,13 +139,12 @@ def test_extra_engine_args_may_not_override_baton_fields(key: str) -> None:
         spec_of(EngineConfig(model="m", extra_engine_args={key: 1}))
 
 
-def test_extra_kv_transfer_config_clashes_only_when_the_policy_sets_one() -> None:
+def test_extra_kv_transfer_config_clashes_only_when_a_handoff_sets_one() -> None:
     own = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     cfg = EngineConfig(model="m", extra_engine_args={"kv_transfer_config": own})
-    assert spec_of(cfg, policy="colocated").engine_kwargs["kv_transfer_config"] == own
-    pytest.importorskip("kv_transfer.nixl")
+    assert spec_of(cfg, handoff=False).engine_kwargs["kv_transfer_config"] == own
     with pytest.raises(ValueError, match="kv_transfer_config"):
-        spec_of(cfg, policy="conversation")
+        spec_of(cfg, handoff=True)
 
 
 def test_build_engine_spec_is_pure() -> None:

@@ -165,12 +165,16 @@ def test_kv_transfer_config_selects_the_counting_connector() -> None:
         nixl_kv_transfer_config("kv_both", "tpu")
 
 
-def test_side_channel_env_defaults_to_loopback_and_a_free_port() -> None:
+def test_side_channel_env_defaults_to_loopback_and_a_reserved_port() -> None:
     env = side_channel_env()
     assert env[SIDE_CHANNEL_HOST_ENV] == "127.0.0.1"  # Ray is not initialized in unit tests
     port = int(env[SIDE_CHANNEL_PORT_ENV])
+    from kv_transfer.ports import band_below_ephemeral, held_ports
+
+    low, high = band_below_ephemeral()
+    assert low <= port < high and port in held_ports()  # reserved for this process, below the ephemeral range
     with socket.socket() as s:
-        s.bind(("127.0.0.1", port))  # still free
+        s.bind(("127.0.0.1", port))  # nothing listens there until vLLM's handshake listener does
     assert side_channel_env("10.0.0.5", 5601) == {SIDE_CHANNEL_HOST_ENV: "10.0.0.5", SIDE_CHANNEL_PORT_ENV: "5601"}
 
 

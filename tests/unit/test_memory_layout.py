@@ -1,5 +1,5 @@
 """Where recalled facts go in a chat prompt (memory_store/layout.py) and the invariant of the
-injection it produces (baton/engine/types.py MemoryInjection.check_integrity). FakeTokenizer: one
+injection it produces (kv_transfer/injection.py MemoryInjection.check_integrity). FakeTokenizer: one
 token per whitespace-separated word, so every id is predictable."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from fakes import FakeTokenizer
 
 from deployments.chat import PromptRenderer
-from baton.engine.types import MemoryFact, MemoryInjection
+from kv_transfer.injection import MemoryFact, MemoryInjection
 from memory_store.layout import (
     DEFAULT_SYSTEM,
     MEMORY_HEADER,

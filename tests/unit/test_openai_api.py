@@ -24,6 +24,7 @@ from deployments.protocol import ChatCompletionRequest
 from baton.engine.types import EngineRequestError, EngineUnavailable, SamplingSpec
 from fakes import FakeBackend, FakeDirectory, FakeTokenizer
 from router.directory_state import DirectorySettings, DirectoryState
+from router.report import ReplicaReport
 
 with warnings.catch_warnings():  # Ray Serve's own pydantic models warn on import; not ours to fix
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -171,7 +172,7 @@ def directory_with(policy: str, now: float, **reports: tuple[str, float]) -> Fak
     """A DirectoryState behind a fake handle, clock at `now`; reports: replica -> (pool, time)."""
     state = DirectoryState(DirectorySettings(policy=policy, stale_after_s=10.0))  # type: ignore[arg-type]
     for replica, (pool, at) in reports.items():
-        state.report(replica, pool, {"kv_usage": 0.0}, at)
+        state.report(ReplicaReport(replica, pool), at)
     return FakeDirectory(state=state, clock=lambda: now)
 
 

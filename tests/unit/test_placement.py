@@ -1,13 +1,15 @@
 """Pure load ranking (router/placement.py): what the Serve request router does when a request
 carries no target (a prefill, or a turn the directory could not place), and how it honours the
-target the conversation directory chose."""
+target the conversation directory chose. The score itself: tests/unit/test_scoring.py."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
-from router.placement import LoadWeights, ReplicaLoad, load_score, rank_by_load, rank_with_target
+from router.placement import rank_by_load, rank_with_target
+from router.scoring import LoadWeights, ReplicaLoad, load_score
 
 W = LoadWeights()
 KV_ONLY = LoadWeights(kv_weight=1.0, queue_weight=0.0, prefill_token_weight=0.0)
@@ -16,24 +18,14 @@ PREFILL_ONLY = LoadWeights(kv_weight=0.0, queue_weight=0.0, prefill_token_weight
 
 
 def load(replica_id: str, kv: float = 0.0, queue: int = 0, prefill: int = 0) -> ReplicaLoad:
-    return ReplicaLoad(replica_id, kv_usage=kv, queue_len=queue, pending_prefill_tokens=prefill)
+    return ReplicaLoad(replica_id, kv_usage=kv, in_flight=queue, pending_prefill_tokens=prefill)
 
 
 def flat(ranks: tuple[tuple[str, ...], ...]) -> list[str]:
     return [r for rank in ranks for r in rank]
 
 
-# ---- load score ----------------------------------------------------------------------------------
-
-
-def test_load_score_weighs_kv_queue_and_pending_prefill_tokens() -> None:
-    w = LoadWeights(kv_weight=2.0, queue_weight=0.25, prefill_token_weight=0.001)
-    assert load_score(load("a", kv=0.5, queue=4, prefill=3000), w) == pytest.approx(2 * 0.5 + 0.25 * 4 + 0.001 * 3000)
-
-
-def test_default_weights_make_one_8k_prefill_weigh_one_full_kv_pool() -> None:
-    assert load_score(load("a", prefill=8192), W) == pytest.approx(load_score(load("b", kv=1.0), W))
-    assert load_score(load("a"), W) == 0.0
+# ---- weights --------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -147,7 +139,7 @@ def test_ranks_partition_the_candidates_by_ascending_score(seed: int) -> None:
             assert list(rank) == sorted(rank), case  # replica-id order within a rank
             assert all(score[r] == pytest.approx(score[rank[0]]) for r in rank), case
         firsts = [score[rank[0]] for rank in ranks]
-        assert all(a < b for a, b in zip(firsts, firsts[1:])), case  # strictly ascending between ranks
+        assert all(a < b for a, b in itertools.pairwise(firsts)), case  # strictly ascending between ranks
         target = rng.choice([None, "gone", *score])
         with_target = rank_with_target(target, candidates, w)
         assert with_target == (((target,),) if target in score else ranks), case

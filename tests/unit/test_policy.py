@@ -1,5 +1,5 @@
 """Routing policies (router/policy.py) as pure functions: plan_turn per policy, and how a new
-conversation's decoder is chosen (decoder_score / choose_decoder)."""
+conversation's decoder is chosen (choose_decoder over router/scoring.py's load_score)."""
 from __future__ import annotations
 
 import random
@@ -7,31 +7,23 @@ from typing import Any
 
 import pytest
 
-from router.policy import (
-    DISAGGREGATED,
-    DecoderView,
-    NoReplicaAvailable,
-    PlacementWeights,
-    TurnPlan,
-    choose_decoder,
-    decoder_score,
-    plan_turn,
-)
+from router.policy import DISAGGREGATED, NoReplicaAvailable, TurnPlan, choose_decoder, plan_turn
+from router.scoring import LoadWeights, ReplicaLoad, load_score
 
-W = PlacementWeights()
+W = LoadWeights()
 CAP = 10_000  # tokens each decoder's KV pool holds in these scenarios
 
 
-def dec(replica_id: str, kv: float = 0.0, *, cap: int = CAP, in_flight: int = 0, pinned: int = 0) -> DecoderView:
-    return DecoderView(replica_id=replica_id, kv_usage=kv, kv_capacity_tokens=cap, in_flight=in_flight, pinned=pinned)
+def dec(replica_id: str, kv: float = 0.0, *, cap: int = CAP, in_flight: int = 0, pinned: int = 0) -> ReplicaLoad:
+    return ReplicaLoad(replica_id=replica_id, kv_usage=kv, kv_capacity_tokens=cap, in_flight=in_flight, pinned=pinned)
 
 
 # a: busy, b: least loaded, c: in between; a fresh conversation goes to b
 DECODERS = [dec("a", 0.6), dec("b", 0.1), dec("c", 0.3)]
 
 
-def plan(policy: str, *, pinned: str | None = None, decoders: list[DecoderView] = DECODERS, prompt_tokens: int = 500,
-         prefill_available: bool = True, rr_counter: int = 0, w: PlacementWeights = W) -> TurnPlan:
+def plan(policy: str, *, pinned: str | None = None, decoders: list[ReplicaLoad] = DECODERS, prompt_tokens: int = 500,
+         prefill_available: bool = True, rr_counter: int = 0, w: LoadWeights = W) -> TurnPlan:
     return plan_turn(
         policy,  # type: ignore[arg-type]
         pinned=pinned, decoders=decoders, prompt_tokens=prompt_tokens, prefill_available=prefill_available, rr_counter=rr_counter, w=w,
@@ -115,17 +107,7 @@ def test_the_new_conversation_goes_where_the_prompt_fits() -> None:
     assert plan("conversation", decoders=decoders, prompt_tokens=1_000).decode_replica == "b"
 
 
-# ---- decoder_score and choose_decoder ------------------------------------------------------------------
-
-
-def test_decoder_score_is_projected_occupancy_plus_pin_and_queue_penalties() -> None:
-    w = PlacementWeights(pin_weight=0.1, queue_weight=0.01)
-    d = dec("a", 0.25, cap=4_000, in_flight=3, pinned=2)
-    assert decoder_score(d, 1_000, w) == pytest.approx(0.25 + 1_000 / 4_000 + 0.1 * 2 + 0.01 * 3)
-
-
-def test_unknown_capacity_adds_no_projected_occupancy() -> None:
-    assert decoder_score(dec("a", 0.4, cap=0), 1_000_000, PlacementWeights(pin_weight=0, queue_weight=0)) == pytest.approx(0.4)
+# ---- choose_decoder ----------------------------------------------------------------------------------
 
 
 def test_choose_decoder_prefers_lower_projected_occupancy() -> None:
@@ -137,15 +119,15 @@ def test_choose_decoder_prefers_lower_projected_occupancy() -> None:
 
 def test_choose_decoder_penalises_pinned_conversations_by_pin_weight() -> None:
     decoders = [dec("a", 0.10, pinned=3), dec("b", 0.15, pinned=0)]
-    assert choose_decoder(decoders, 0, PlacementWeights(pin_weight=0.02, queue_weight=0)) == "b"  # 0.16 vs 0.15
-    assert choose_decoder(decoders, 0, PlacementWeights(pin_weight=0.01, queue_weight=0)) == "a"  # 0.13 vs 0.15
-    assert choose_decoder(decoders, 0, PlacementWeights(pin_weight=0.0, queue_weight=0)) == "a"
+    assert choose_decoder(decoders, 0, LoadWeights(pin_weight=0.02, queue_weight=0)) == "b"  # 0.16 vs 0.15
+    assert choose_decoder(decoders, 0, LoadWeights(pin_weight=0.01, queue_weight=0)) == "a"  # 0.13 vs 0.15
+    assert choose_decoder(decoders, 0, LoadWeights(pin_weight=0.0, queue_weight=0)) == "a"
 
 
 def test_choose_decoder_penalises_requests_in_flight_by_queue_weight() -> None:
     decoders = [dec("a", 0.10, in_flight=2), dec("b", 0.15, in_flight=0)]
-    assert choose_decoder(decoders, 0, PlacementWeights(pin_weight=0, queue_weight=0.05)) == "b"  # 0.20 vs 0.15
-    assert choose_decoder(decoders, 0, PlacementWeights(pin_weight=0, queue_weight=0.01)) == "a"  # 0.12 vs 0.15
+    assert choose_decoder(decoders, 0, LoadWeights(pin_weight=0, queue_weight=0.05)) == "b"  # 0.20 vs 0.15
+    assert choose_decoder(decoders, 0, LoadWeights(pin_weight=0, queue_weight=0.01)) == "a"  # 0.12 vs 0.15
 
 
 def test_choose_decoder_breaks_ties_by_replica_id() -> None:
@@ -169,10 +151,10 @@ def test_the_chosen_decoder_always_has_the_minimal_score(seed: int) -> None:
             dec(r, rng.choice([0.0, 0.1, 0.5, 0.9]), cap=rng.choice([0, 4_096, 16_384]), in_flight=rng.randint(0, 4), pinned=rng.randint(0, 5))
             for r in ids
         ]
-        w = PlacementWeights(pin_weight=rng.choice([0.0, 0.02, 0.1]), queue_weight=rng.choice([0.0, 0.05]))
+        w = LoadWeights(pin_weight=rng.choice([0.0, 0.02, 0.1]), queue_weight=rng.choice([0.0, 0.05]))
         prompt = rng.choice([0, 100, 4_000])
         chosen = choose_decoder(decoders, prompt, w)
-        scores = {d.replica_id: decoder_score(d, prompt, w) for d in decoders}
+        scores = {d.replica_id: load_score(d, w, prompt) for d in decoders}
         best = min(scores.values())
         case = (decoders, w, prompt, chosen)
         assert scores[chosen] == best, case

@@ -17,12 +17,6 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from deployments.chat import PromptRenderer
-from deployments.config import RealtimeConfig
-from deployments.frontend import OpenAIFrontend
-from deployments.metrics import RecordingMetrics
-from deployments.openai_api import build_openai_app
-from deployments.realtime_api import RealtimeFrontend, parse_frame
 from baton.engine.realtime.messages import (
     RealtimeClose,
     RealtimeOpen,
@@ -30,6 +24,12 @@ from baton.engine.realtime.messages import (
     TickResult,
 )
 from baton.engine.types import EngineRequestError, EngineUnavailable
+from deployments.chat import PromptRenderer
+from deployments.config import RealtimeConfig
+from deployments.frontend import OpenAIFrontend
+from deployments.metrics import RecordingMetrics
+from deployments.openai_api import build_openai_app
+from deployments.realtime_api import RealtimeFrontend, parse_frame
 from router.admission import AdmissionConfig
 from router.policy import TurnPlan
 from tests.unit.fakes import FakeBackend, FakeDirectory, FakeTokenizer
@@ -236,6 +236,44 @@ def test_a_disconnect_message_is_a_disconnect_not_a_bad_frame() -> None:
     with pytest.raises(WebSocketDisconnect) as e:
         parse_frame({"type": "websocket.disconnect", "code": 1001})
     assert e.value.code == 1001
+
+
+# ---- idle sessions ------------------------------------------------------------------------------------
+
+
+def test_a_session_idle_for_idle_timeout_is_closed_4408_and_released() -> None:
+    c, rt, decode, metrics = make(idle_timeout_s=0.05)
+    with c.websocket_connect("/v1/realtime") as ws:
+        started(ws)
+        ws.send_json({"type": "input", "seq": 0, "text": "hi"})
+        assert ws.receive_json()["type"] == "output"
+        assert rt._live == 1
+        frame, code = error_then_close(ws)  # then the client sends nothing
+    assert frame["code"] == "idle_timeout" and "0.05 s" in frame["message"]
+    assert code == 4408
+    assert len(decode.ticks) == 1
+    assert_all_released(rt, decode)  # the engine-side session closed, the admission slot free
+    assert metrics.live[-1][0] == 0
+
+
+def test_a_slow_engine_is_not_an_idle_client() -> None:
+    decode = FakeDecode(tick_delay_s=0.1)  # a tick longer than the idle timeout
+    c, rt, _, _ = make(decode, idle_timeout_s=0.05)
+    with c.websocket_connect("/v1/realtime") as ws:
+        started(ws)
+        ws.send_json({"type": "input", "seq": 0, "text": "hi"})
+        ws.send_json({"type": "session.end"})
+        assert ws.receive_json()["type"] == "output"
+        assert closed_with(ws) == 1000
+    assert_all_released(rt, decode)
+
+
+def test_a_connection_that_never_starts_a_session_is_closed_4408() -> None:
+    c, rt, decode, _ = make(idle_timeout_s=0.05)
+    with c.websocket_connect("/v1/realtime") as ws:
+        frame, code = error_then_close(ws)
+    assert frame["code"] == "idle_timeout" and code == 4408
+    assert decode.opens == [] and rt._live == 0
 
 
 # ---- bad frames ---------------------------------------------------------------------------------------

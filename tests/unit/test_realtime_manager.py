@@ -3,10 +3,11 @@
 FakeRunner mirrors EngineRunner.generate + the segment connector around one request:
 - injection: offered to process_segments() under the request id (as the runner does), and
   checked as the connector checks it (the segments must hold the prompt's first tokens);
-- capture: one KVSegment per range (tiny real tensors, token ids = prompt[a:b]) put as a
-  CaptureResult under the request id, or a failed CaptureResult / nothing when told to;
-- a request that injects without capturing has its key discarded by the runner; a capturing
-  request's key is left for the submitter to take and discard (runner.py).
+- capture: one KVSegment per range (tiny real tensors, token ids = prompt[a:b]) returned as a
+  CaptureResult on the finished delta (`delta.capture`), or a failed one when told to (the
+  runner reports "no capture" as a failed CaptureResult too);
+- the runner owns the key: it discards it on every exit (finished, error, cancelled), so the
+  manager never touches the process table.
 """
 from __future__ import annotations
 
@@ -73,18 +74,20 @@ class FakeRunner:
                 self.stats = EngineStats(kv_usage=(len(prompt) + i + 1) / self.capacity, kv_capacity_tokens=self.capacity)
                 tid = next(self._ids)
                 last = i == self.reply_len - 1
-                if last and capture:  # the connector saves the prompt's KV before the request ends
+                result = None
+                if last and capture:  # the connector saved the prompt's KV before the request ended
                     if self.capture_mode == "ok":
-                        table.put_capture(req.request_id, CaptureResult(segments=tuple(seg(prompt[a:b]) for a, b in capture)))
+                        result = CaptureResult(segments=tuple(seg(prompt[a:b]) for a, b in capture))
                     elif self.capture_mode == "error":
-                        table.put_capture(req.request_id, CaptureResult(error="no free staging buffer"))
+                        result = CaptureResult(error="no free staging buffer")
+                    else:
+                        result = CaptureResult(error="the connector saw no capture")
                 # like vLLM, the engine counts connector-loaded tokens as cached
                 injected = sum(sg.num_tokens for sg in injection) if injection else 0
                 yield GenerationDelta(text=f"w{tid} ", token_ids=(tid,), prompt_tokens=len(prompt), cached_tokens=injected,
-                                      finished=last, finish_reason="length" if last else None)
+                                      finished=last, finish_reason="length" if last else None, capture=result)
         finally:
-            if injection and not capture:
-                table.discard(req.request_id)
+            table.discard(req.request_id)
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,4 @@
-"""The vLLM-touching pure helpers of the segment connector, in one file (importing
-kv_transfer/segment_connector.py imports vLLM; skipped where vLLM is not installed):
+"""The vLLM-touching pure helpers of the segment connector, in one file:
 - `slots_for`: prompt positions → paged-cache slots through a block table;
 - paged_kv.learn_layout against vLLM's real CPU cache-write kernel (each ISA this CPU has): the
   learned layout must read back exactly what the kernel wrote. No engine is started."""
@@ -9,8 +8,7 @@ import pytest
 import torch
 
 from kv_transfer.paged_kv import learn_layout, read_tokens
-
-slots_for = pytest.importorskip("kv_transfer.segment_connector").slots_for
+from kv_transfer.segment_meta import slots_for
 
 
 def test_slots_follow_the_block_table() -> None:

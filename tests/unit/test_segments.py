@@ -66,35 +66,42 @@ def test_segment_slice_and_nbytes() -> None:
     assert s.slice(2, 2).num_tokens == 0
 
 
-# ---- Injection.kv_range ---------------------------------------------------------------------------
+# ---- Injection.copy_range -------------------------------------------------------------------------
+
+def _copied(inj: Injection, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    keys, values = torch.full((L, end - start, H, D), float("nan")), torch.full((L, end - start, H, D), float("nan"))
+    inj.copy_range(start, end, keys, values)
+    return keys, values
+
 
 def test_injection_tiles_segments_end_to_end() -> None:
     inj = Injection((seg(0, 3), seg(100, 2), seg(200, 4)))
     assert inj.token_ids == (0, 1, 2, 100, 101, 200, 201, 202, 203)
     assert inj.end == 9
-    k, v = inj.kv_range(0, 9)
-    assert k.shape == (L, 9, H, D) and v.shape == (L, 9, H, D)
+    k, v = _copied(inj, 0, 9)
     assert k[0, :, 0, 0].tolist() == [0, 1, 2, 100, 101, 200, 201, 202, 203]
+    assert torch.equal(v, -k)
 
 
-@pytest.mark.parametrize("start,end", [(0, 1), (2, 4), (2, 6), (1, 9), (3, 5), (5, 9), (8, 9), (4, 20)])
-def test_kv_range_across_segment_boundaries(start: int, end: int) -> None:
+@pytest.mark.parametrize("start,end", [(0, 1), (2, 4), (2, 6), (1, 9), (3, 5), (5, 9), (8, 9)])
+def test_copy_range_across_segment_boundaries(start: int, end: int) -> None:
     inj = Injection((seg(0, 3), seg(100, 2), seg(200, 4)))
-    k, v = inj.kv_range(start, end)
+    k, v = _copied(inj, start, end)
     want = list(inj.token_ids[start:end])
+    assert not k.isnan().any() and not v.isnan().any()  # every position written
     assert k[0, :, 1, 2].tolist() == want
     assert k[1, :, 0, 0].tolist() == [1000 + t for t in want]
     assert v[1, :, 0, 0].tolist() == [-(1000 + t) for t in want]
 
 
-def test_kv_range_outside_the_injection_raises() -> None:
-    inj = Injection((seg(0, 3),))
-    with pytest.raises(ValueError, match="no injected tokens"):
-        inj.kv_range(3, 5)
-    with pytest.raises(ValueError, match="no injected tokens"):
-        inj.kv_range(2, 2)
-    with pytest.raises(ValueError, match="no injected tokens"):
-        Injection(()).kv_range(0, 1)
+@pytest.mark.parametrize("start,end", [(5, 7), (2, 2), (4, 20), (-1, 2), (3, 1)])
+def test_copy_range_outside_the_injection_raises(start: int, end: int) -> None:
+    inj = Injection((seg(0, 3), seg(100, 2)))
+    buf = torch.zeros(L, max(1, end - start), H, D)
+    with pytest.raises(ValueError, match="not within the injected"):
+        inj.copy_range(start, end, buf, buf.clone())
+    with pytest.raises(ValueError, match="not within the injected"):
+        Injection(()).copy_range(0, 1, buf, buf.clone())
     assert Injection(()).end == 0
 
 
@@ -307,4 +314,4 @@ def test_read_tokens_from_a_strided_cache_view() -> None:
     cache.copy_(contiguous)
     rk, rv = read_tokens(cache, slots, layout)
     assert torch.equal(rk, k) and torch.equal(rv, v)
-    assert all(torch.equal(a, b) for a, b in zip(read_tokens(contiguous, slots, layout), (rk, rv)))
+    assert all(torch.equal(a, b) for a, b in zip(read_tokens(contiguous, slots, layout), (rk, rv), strict=True))

@@ -13,11 +13,14 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from baton.engine.realtime.messages import RealtimeOpen, RealtimeTick, TickResult
-from baton.engine.realtime.session import SessionSpec, SessionState, after_lost_kv, after_tick, open_session, plan_tick
+from baton.engine.realtime.session import SessionSpec, SessionState, TickPlan, after_lost_kv, after_tick, open_session, plan_tick
 from baton.engine.types import EngineRequestError, EngineUnavailable, GenerationRequest, SamplingSpec
+
+if TYPE_CHECKING:
+    from kv_transfer.segments import CaptureResult, KVSegment
 
 logger = logging.getLogger("baton.realtime")
 
@@ -69,24 +72,19 @@ class RealtimeSessions:
                                     sampling=SamplingSpec(max_tokens=live.state.spec.max_tokens, temperature=0.0),
                                     cache_salt=plan.salt)
             text, tokens, peak, cached = [], [], 0, 0
-            error, fatal = None, False
-            try:
+            error, fatal, result = None, False, None
+            try:  # the runner offers the injection, collects the capture and drops both on every exit
                 async for d in self._runner.generate(req, injection=plan.inject or None, capture=plan.capture):
                     text.append(d.text)
                     tokens.extend(d.token_ids)
                     cached = max(cached, d.cached_tokens)
                     st = self._runner.stats
                     peak = max(peak, int(st.kv_usage * st.kv_capacity_tokens))
-                captured = self._take_capture(req.request_id, plan)
+                    if d.finished:
+                        result = d.capture
+                captured = _checked_capture(result, plan)
             except (EngineRequestError, EngineUnavailable) as e:
                 error, captured, fatal = str(e), None, isinstance(e, EngineUnavailable)
-            finally:
-                # the runner leaves a capturing request's key (injection and capture) to its
-                # submitter: drop it on every exit (error, cancellation), not only after a take
-                if plan.inject or plan.capture:
-                    from kv_transfer.segments import process_segments
-
-                    process_segments().discard(req.request_id)
             if error is None:
                 if captured is None:  # keep serving: the next tick recomputes the session's KV
                     live.state = after_lost_kv(live.state, plan, tuple(tokens))
@@ -99,26 +97,22 @@ class RealtimeSessions:
                               computed_tokens=len(plan.prompt) - cached if error is None else plan.computed_tokens,
                               error=error, fatal=fatal)
 
-    def _take_capture(self, key: str, plan: Any) -> tuple[Any, ...] | None:
-        if not plan.capture:
-            return ()
-        from kv_transfer.segments import process_segments
-
-        table = process_segments()
-        try:
-            result = table.take_capture(key)
-        finally:
-            table.discard(key)
-        if result is None or result.error:
-            logger.warning("tick KV capture failed (%s); the session's next tick recomputes", result.error if result else "none")
-            return None
-        segs = result.segments
-        if len(segs) != len(plan.capture) or any(tuple(s.token_ids) != plan.prompt[a:b] for s, (a, b) in zip(segs, plan.capture)):
-            logger.warning("tick KV capture does not match the prompt; the session's next tick recomputes")
-            return None
-        return segs
-
     def _expire(self) -> None:
         cutoff = time.monotonic() - self._idle_timeout_s
         for sid in [s for s, live in self._live.items() if live.last_used < cutoff and not live.lock.locked()]:
             del self._live[sid]
+
+
+def _checked_capture(result: CaptureResult | None, plan: TickPlan) -> tuple[KVSegment, ...] | None:
+    """The tick's captured segments (one per planned range, holding exactly those prompt tokens),
+    () when it captured nothing, None when the capture failed or does not match the prompt."""
+    if not plan.capture:
+        return ()
+    if result is None or result.error:
+        logger.warning("tick KV capture failed (%s); the session's next tick recomputes", result.error if result else "none")
+        return None
+    segs = result.segments
+    if len(segs) != len(plan.capture) or any(tuple(s.token_ids) != plan.prompt[a:b] for s, (a, b) in zip(segs, plan.capture, strict=True)):
+        logger.warning("tick KV capture does not match the prompt; the session's next tick recomputes")
+        return None
+    return segs

@@ -1,0 +1,52 @@
+"""Load figures read from vLLM's in-process scheduler (engine thread only; pure reads, no vLLM import).
+
+The scheduler exists in this process when VLLM_ENABLE_V1_MULTIPROCESSING=0; with any other engine
+(a fake in tests, a multiprocess engine) `find_scheduler` returns None and the stats carry only
+the runner's own counters.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from baton.engine.types import EngineStats
+
+
+def find_scheduler(engine: Any) -> Any:
+    """The in-process scheduler (present with VLLM_ENABLE_V1_MULTIPROCESSING=0), else None."""
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    return getattr(core, "scheduler", None)
+
+
+def kv_capacity_tokens(sched: Any) -> int:
+    try:
+        return int(sched.kv_cache_manager.block_pool.num_gpu_blocks * sched.block_size)
+    except AttributeError:
+        return 0
+
+
+def cached_fraction(sched: Any) -> float:
+    """Blocks holding prefix-cached KV (in use or free for reuse) over the pool: what a session's
+    retained history occupies even between its requests."""
+    try:
+        pool = sched.kv_cache_manager.block_pool
+        return min(1.0, len(pool.cached_block_hash_to_block) / max(1, pool.num_gpu_blocks - 1))
+    except (AttributeError, TypeError):
+        return 0.0
+
+
+def scheduler_stats(sched: Any, capacity_tokens: int, in_flight: int, steps: int) -> EngineStats:
+    """A healthy engine's snapshot: the scheduler's queues and KV pool, plus the runner's counters."""
+    if sched is None:
+        return EngineStats(kv_capacity_tokens=capacity_tokens, in_flight=in_flight, steps=steps)
+    requests = list(sched.running) + list(sched.waiting)
+    usage = float(sched.kv_cache_manager.usage)
+    return EngineStats(
+        kv_usage=usage,
+        kv_resident=max(usage, cached_fraction(sched)),
+        kv_capacity_tokens=capacity_tokens,
+        num_running=len(sched.running),
+        num_waiting=len(sched.waiting),
+        pending_prefill_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in requests),
+        in_flight=in_flight,
+        steps=steps,
+    )

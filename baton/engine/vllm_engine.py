@@ -1,0 +1,53 @@
+"""Building and stopping the in-process vLLM engine (the runner's default engine factory).
+
+Both run on the runner's engine thread: the engine is not thread-safe, so the thread that
+builds it is the one that steps it and shuts it down.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from baton.engine.args import EngineSpec
+
+logger = logging.getLogger("baton.engine")
+
+
+def apply_engine_environment(env: dict[str, str]) -> None:
+    """vLLM reads these at import: call before the first `import vllm` of the process."""
+    os.environ.update(env)
+
+
+def build_vllm_engine(spec: EngineSpec) -> Any:
+    """`LLMEngine.from_engine_args(EngineArgs(**spec.engine_kwargs))`, keeping this thread's
+    torch thread count and CPU affinity as the spec asks."""
+    cpus = os.sched_getaffinity(0)
+    threads = spec.env.get("OMP_NUM_THREADS")
+    if threads:  # OMP_NUM_THREADS only counts if torch was not imported yet; make it hold
+        import torch
+
+        torch.set_num_threads(int(threads))
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    try:
+        return LLMEngine.from_engine_args(EngineArgs(**spec.engine_kwargs))
+    finally:
+        # NIXL's CPU worker pins the thread that builds the engine to the last core; with
+        # several engines on a machine they would all share it. Keep our own mask unless
+        # vLLM binds threads on purpose.
+        if spec.env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind") == "nobind":
+            os.sched_setaffinity(0, cpus)
+
+
+def shutdown_engine(engine: Any) -> None:
+    """Release an engine's workers and KV memory (vLLM: its engine-core client's shutdown; an
+    engine with its own `shutdown()` is asked directly). Never raises: it runs on the way out."""
+    close = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
+    if close is None:
+        return
+    try:
+        close()
+    except Exception:  # best effort on the way out: the engine is being dropped anyway
+        logger.exception("engine shutdown failed")

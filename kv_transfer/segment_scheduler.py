@@ -1,0 +1,138 @@
+"""The segment connector's scheduler side: which prompt positions a request gets from segments,
+and in which step a capture can read its prompt's KV (kv_transfer/segment_connector.py).
+
+It decides and records; it never touches a KV cache. Its output is one SegmentConnectorMetadata
+per step, which the worker side (kv_transfer/segment_worker.py) carries out.
+
+Rules (from vLLM's scheduler): a connector can only extend the local prefix-cache hit with a
+contiguous run, and at least one prompt token must stay to compute, so inject_end < prompt length.
+The offered segments' token ids must equal the prompt's first inject_end tokens, else nothing is
+loaded (counted as `unavailable`) and vLLM computes the whole prompt.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kv_transfer.segment_meta import SegmentCapture, SegmentConnectorMetadata, SegmentLoad, segment_params, slots_for
+from kv_transfer.segment_stats import SegmentCounters, new_counters
+from kv_transfer.segments import CaptureResult, SegmentTable, process_segments
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("baton.kv_transfer.segments")
+
+
+@dataclass
+class _PendingCapture:
+    """A capture request between its admission and the step that completes its prompt."""
+
+    key: str
+    ranges: tuple[tuple[int, int], ...]
+    prompt: tuple[int, ...] = ()
+    block_ids: list[int] = field(default_factory=list)
+
+
+class SegmentScheduler:
+    """Scheduler-side state: promised injections, loads to run this step, captures in flight."""
+
+    def __init__(self, block_size: int, table: SegmentTable | None = None, counters: SegmentCounters | None = None):
+        if block_size <= 0:
+            raise ValueError(f"block size must be positive, got {block_size}")
+        self._block_size = block_size
+        self._table = table if table is not None else process_segments()
+        self.counters = counters if counters is not None else new_counters()
+        self._matched: dict[str, int] = {}  # request id → inject end promised
+        self._pending_loads: list[SegmentLoad] = []
+        self._pending_captures: dict[str, _PendingCapture] = {}
+
+    @classmethod
+    def from_config(cls, vllm_config: VllmConfig) -> SegmentScheduler:
+        return cls(vllm_config.cache_config.block_size)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests this side still holds state for (promised injections and pending captures)."""
+        return len(self._matched) + len(self._pending_captures)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        p = segment_params(request)
+        end = int(p.get("inject_end") or 0) if p else 0
+        if not end or num_computed_tokens >= end:
+            return 0, False
+        inj = self._table.injection(p["key"])
+        prompt = request.prompt_token_ids or []
+        if inj is None or inj.end != end or end >= len(prompt):
+            logger.warning("segment injection for %s unavailable (offered %s, asked %d): recomputing",
+                           request.request_id, None if inj is None else inj.end, end)
+            self.counters.refused()
+            return 0, False
+        if tuple(prompt[:end]) != inj.token_ids:
+            logger.warning("segment tokens differ from request %s's prompt: recomputing", request.request_id)
+            self.counters.refused()
+            return 0, False
+        self._matched[request.request_id] = end
+        return end - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        end = self._matched.pop(request.request_id, 0)
+        p = segment_params(request)
+        if num_external_tokens > 0 and end:
+            block_ids = blocks.get_block_ids()[0]
+            start = end - num_external_tokens
+            self._pending_loads.append(SegmentLoad(p["key"], start, end, slots_for(block_ids, self._block_size, start, end)))
+        if p and p.get("capture"):
+            ranges = tuple((int(a), int(b)) for a, b in p["capture"])
+            self._pending_captures[request.request_id] = _PendingCapture(p["key"], ranges)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SegmentConnectorMetadata:
+        meta = SegmentConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        if self._pending_captures:
+            self._track_captures(scheduler_output, meta)
+        return meta
+
+    def _track_captures(self, out: SchedulerOutput, meta: SegmentConnectorMetadata) -> None:
+        """Follow capture requests through their prefill chunks (block ids arrive per chunk, or
+        all at once when a preempted request resumes); capture in the step that completes the
+        prompt, when every position's KV is in the paged cache."""
+        progress: list[tuple[str, int]] = []
+        for new in out.scheduled_new_reqs:
+            cap = self._pending_captures.get(new.req_id)
+            if cap is not None:
+                cap.prompt = tuple(new.prompt_token_ids or ())
+                cap.block_ids = list(new.block_ids[0])
+                progress.append((new.req_id, new.num_computed_tokens))
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            cap = self._pending_captures.get(rid)
+            if cap is None:
+                continue
+            blocks = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                cap.block_ids = list(blocks[0]) if blocks else []
+            elif blocks:
+                cap.block_ids.extend(blocks[0])
+            progress.append((rid, cached.num_computed_tokens[i]))
+        for rid, computed in progress:
+            cap = self._pending_captures[rid]
+            if computed + out.num_scheduled_tokens.get(rid, 0) < len(cap.prompt):
+                continue  # more chunks to come
+            del self._pending_captures[rid]
+            bad = [r for r in cap.ranges if not 0 <= r[0] < r[1] <= len(cap.prompt)]
+            if bad:
+                self._table.put_capture(cap.key, CaptureResult(error=f"capture ranges {bad} outside the prompt"))
+                self.counters.capture_failed()
+                continue
+            slots = tuple(slots_for(cap.block_ids, self._block_size, a, b) for a, b in cap.ranges)
+            meta.captures.append(SegmentCapture(cap.key, cap.ranges, cap.prompt, slots))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._matched.pop(request.request_id, None)
+        self._pending_captures.pop(request.request_id, None)
+        return False, None

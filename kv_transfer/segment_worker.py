@@ -1,0 +1,154 @@
+"""The segment connector's worker side: lays segments into the paged KV cache and reads captures
+out of it, as each step's SegmentConnectorMetadata says (kv_transfer/segment_connector.py).
+
+A load re-rotates the offered pre-RoPE keys to their prompt positions and writes them with the
+attention backend's own cache write; a load that raises marks its blocks as failed, and with
+kv_load_failure_policy="recompute" vLLM recomputes them (the request still succeeds). A capture
+reads the KV of its ranges after the step that completes the prompt, removes RoPE, and puts the
+segments (or the error) under its key in the process SegmentTable.
+
+Only one worker per process (in-process engine, tensor parallel size 1). The capture path learns
+the backend's in-block layout (kv_transfer/paged_kv.py); a backend it cannot learn raises
+UnsupportedLayout on capture, which the submitter turns into a recompute.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kv_transfer.paged_kv import PagedLayout, layer_writer, learn_layout, read_tokens
+from kv_transfer.rope import RopeSpec, Rotator, remove_rope, rope_spec_from_hf_config
+from kv_transfer.segment_meta import SegmentCapture, SegmentConnectorMetadata, SegmentLoad
+from kv_transfer.segment_stats import SegmentCounters, new_counters
+from kv_transfer.segments import CaptureResult, KVSegment, SegmentTable, process_segments
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+
+logger = logging.getLogger("baton.kv_transfer.segments")
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+class _Staging:
+    """Reusable load buffers: fresh 100 MB tensors per request cost more in page faults (~0.3 s
+    here) than the whole rotation, so loads copy into buffers that only ever grow."""
+
+    def __init__(self) -> None:
+        self._f32 = torch.empty(0)
+        self._low = torch.empty(0, dtype=torch.bfloat16)
+        self._val = torch.empty(0, dtype=torch.bfloat16)
+
+    def views(self, layers: int, n: int, heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        size = layers * n * heads * dim
+        if self._f32.numel() < size:
+            self._f32 = torch.empty(size)
+        if self._low.numel() < size or self._low.dtype != dtype:
+            self._low = torch.empty(size, dtype=dtype)
+            self._val = torch.empty(size, dtype=dtype)
+        shape = (layers, n, heads, dim)
+        return self._f32[:size].view(shape), self._low[:size].view(shape), self._val[:size].view(shape)
+
+
+class SegmentWorker:
+    """Worker-side state: the attention layers, the rope table, staging buffers, failed blocks."""
+
+    def __init__(self, block_size: int, dtype: torch.dtype, rope: RopeSpec, max_positions: int,
+                 table: SegmentTable | None = None, counters: SegmentCounters | None = None):
+        if block_size <= 0 or max_positions <= 0:
+            raise ValueError(f"block size {block_size} and max positions {max_positions} must be positive")
+        self._block_size = block_size
+        self._dtype = dtype
+        self._rope = rope
+        self._max_positions = max_positions
+        self._table = table if table is not None else process_segments()
+        self.counters = counters if counters is not None else new_counters()
+        self._rotator: Rotator | None = None  # built on the first load
+        self._staging = _Staging()
+        self._layers: list[Any] | None = None
+        self._layout: PagedLayout | None = None
+        self._failed_blocks: set[int] = set()
+
+    @classmethod
+    def from_config(cls, vllm_config: VllmConfig) -> SegmentWorker:
+        mc = vllm_config.model_config
+        rope = rope_spec_from_hf_config(mc.hf_config, table_dtype=mc.dtype)
+        return cls(vllm_config.cache_config.block_size, mc.dtype, rope, mc.max_model_len)
+
+    def _attention_layers(self, forward_context: ForwardContext) -> list[Any]:
+        if self._layers is None:
+            named = [
+                (int(m.group(1)), layer)
+                for name, layer in forward_context.no_compile_layers.items()
+                if (m := _LAYER_INDEX.search(name)) and isinstance(getattr(layer, "kv_cache", None), torch.Tensor)
+                and getattr(layer, "impl", None) is not None
+            ]
+            self._layers = [layer for _, layer in sorted(named, key=lambda x: x[0])]
+        return self._layers
+
+    # ---- loads (start_load_kv) --------------------------------------------------------------------
+    def start_load_kv(self, meta: SegmentConnectorMetadata, forward_context: ForwardContext) -> None:
+        if not meta.loads and not meta.captures:
+            return
+        layers = self._attention_layers(forward_context)
+        for load in meta.loads:
+            try:
+                self._load(load, layers)
+            except Exception:
+                logger.exception("segment load %s failed; its blocks will be recomputed", load.key)
+                self.counters.load_failed()
+                self._failed_blocks.update(s // self._block_size for s in load.slots)
+
+    def _load(self, load: SegmentLoad, layers: list[Any]) -> None:
+        t0 = time.perf_counter()
+        inj = self._table.injection(load.key)
+        if inj is None:
+            raise RuntimeError(f"segments for {load.key} were withdrawn before the load")
+        first = inj.segments[0]
+        if first.keys.shape[0] != len(layers):
+            raise RuntimeError(f"segments have {first.keys.shape[0]} layers, the model {len(layers)}")
+        if self._rotator is None:
+            self._rotator = Rotator(self._rope, self._max_positions)
+        n = load.end - load.start
+        keys, keys16, values = self._staging.views(len(layers), n, first.keys.shape[2], first.keys.shape[3], self._dtype)
+        inj.copy_range(load.start, load.end, keys, values)
+        self._rotator.apply_(keys, torch.arange(load.start, load.end))
+        keys16.copy_(keys)
+        slots = torch.tensor(load.slots, dtype=torch.long)
+        for i, layer in enumerate(layers):
+            layer.impl.do_kv_cache_update(layer, keys16[i], values[i], layer.kv_cache, slots)
+        self.counters.injected(n, time.perf_counter() - t0)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # ---- captures (wait_for_save) -----------------------------------------------------------------
+    def wait_for_save(self, meta: SegmentConnectorMetadata) -> None:
+        for cap in meta.captures:
+            try:
+                self._table.put_capture(cap.key, CaptureResult(segments=self._capture(cap)))
+                self.counters.captured()
+            except Exception as e:
+                logger.exception("segment capture %s failed", cap.key)
+                self.counters.capture_failed()
+                self._table.put_capture(cap.key, CaptureResult(error=f"{type(e).__name__}: {e}"))
+
+    def _capture(self, cap: SegmentCapture) -> tuple[KVSegment, ...]:
+        if self._layers is None:
+            raise RuntimeError("no attention layers seen yet")
+        layers = self._layers
+        if self._layout is None:
+            self._layout = learn_layout(layer_writer(layers[0]), self._block_size, self._rope.head_dim, self._dtype)
+        out = []
+        for (a, b), slots in zip(cap.ranges, cap.slots, strict=True):
+            idx = torch.tensor(slots, dtype=torch.long)
+            ks, vs = zip(*(read_tokens(layer.kv_cache, idx, self._layout) for layer in layers), strict=True)
+            keys = remove_rope(torch.stack(ks), torch.arange(a, b), self._rope)
+            out.append(KVSegment(cap.token_ids[a:b], keys, torch.stack(vs).clone()))
+        return tuple(out)

@@ -1,0 +1,38 @@
+"""`baton bench` resolves its output path once, at the CLI, so a bench started outside the
+checkout hands `serve run` (which runs in the checkout) an absolute path."""
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from baton.bench import commands
+from baton.cli import build_parser
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    seen: list[Path] = []
+    fake = types.ModuleType("fake_bench")
+    fake.run = lambda quick, out_dir: seen.append(out_dir)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_bench", fake)
+    monkeypatch.setitem(commands.BENCHMARKS, "fake", "fake_bench")
+    return seen
+
+
+@pytest.mark.parametrize("out", [None, "rel/out"])
+def test_out_dir_is_absolute_and_relative_to_the_caller(recorded: list[Path], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch, out: str | None) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench", "fake"] + (["--out", out] if out else [])
+    args = build_parser().parse_args(argv)
+    assert args.func(args) == 0
+    (got,) = recorded
+    assert got.is_absolute()
+    assert got.is_relative_to(tmp_path)
+    if out:
+        assert got == tmp_path / out
+    else:
+        assert got.parent == tmp_path / "runs" and got.name.startswith("bench-fake-")
