@@ -1,5 +1,5 @@
 # Two commands for a fresh machine: `make demo` (set up, serve, replay a trace, stop) and `make test`.
-.PHONY: setup demo test test-unit test-e2e
+.PHONY: setup demo lint test test-unit test-e2e
 
 setup:
 	bash scripts/setup.sh
@@ -7,10 +7,13 @@ setup:
 demo: setup
 	bash scripts/demo.sh
 
-test: setup
+lint: setup
+	.venv/bin/ruff check .
+
+test: lint
 	.venv/bin/python -m pytest tests -q -p no:cacheprovider
 
-test-unit: setup
+test-unit: lint
 	.venv/bin/python -m pytest tests/unit -q -p no:cacheprovider
 
 test-e2e: setup

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from typing import Sequence
+from collections.abc import Sequence
 
 COMMAND_MODULES: tuple[str, ...] = (
     "baton.traces.commands",  # baton replay, baton trace {bfcl,locomo,check}

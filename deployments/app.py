@@ -13,10 +13,10 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig as ServeAutoscaling
 from ray.serve.config import RequestRouterConfig
 
+from baton.engine.args import EngineSpec, build_engine_spec, resolve_model_path
 from deployments.config import AppConfig, ConfigError, PoolConfig, load_app_config
 from deployments.ingress import Ingress, IngressSettings
 from deployments.pool import EngineReplicaDeployment
-from baton.engine.args import EngineSpec, build_engine_spec, resolve_model_path
 from kv_transfer.config import PoolRole
 from memory_store.deployment import MemoryStoreDeployment
 from router.directory import ConversationDirectoryDeployment
@@ -59,7 +59,8 @@ def pool_options(name: str, pool: PoolConfig, spec: EngineSpec, cfg: AppConfig) 
         "graceful_shutdown_timeout_s": 10.0,
         "request_router_config": RequestRouterConfig(
             request_router_class=TargetedLoadRouter,
-            request_router_kwargs={"kv_weight": cfg.routing.kv_weight, "queue_weight": cfg.routing.queue_weight, "prefill_token_weight": cfg.routing.prefill_token_weight},
+            request_router_kwargs={"kv_weight": cfg.routing.kv_weight, "queue_weight": cfg.routing.queue_weight,
+                                   "prefill_token_weight": cfg.routing.prefill_token_weight},
             request_routing_stats_period_s=pool.routing_stats_period_s,
             request_routing_stats_timeout_s=max(1.0, pool.routing_stats_period_s),
         ),
@@ -102,7 +103,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
             # decoder choice weighs KV occupancy 1.0 and sees no queued prefill tokens (as before the
             # scorers were merged); kv_weight / prefill_token_weight tune the Serve router's ranking
             weights=LoadWeights(pin_weight=r.pin_weight, queue_weight=r.queue_weight, kv_weight=1.0),
-        )
+        ),
+        r.resolved_ownership_db_path(PROJECT_ROOT),
     )
     store = None
     seg_bytes = 0

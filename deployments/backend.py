@@ -1,13 +1,16 @@
 """The ingress's way to the engine pools: ask the conversation directory where a turn goes,
 prefill it on the prefill pool when the plan says so (its KV then moves to the decoder over
-NIXL), and stream the decoder's output. Ray failures become the engine errors the frontend
+NIXL), and stream the decoder's output. The directory also checks who owns a conversation, so a
+turn with a session id is refused (503) while it cannot answer, never placed unchecked. Ray failures become the engine errors the frontend
 understands (503 / 400), never a stack trace; a failed prefill or transfer falls back to
-prefilling on the decoder; a decoder that dies before the first token is replaced once."""
+prefilling on the decoder; a decoder that dies before the first token is replaced once, and one
+that dies mid-stream is replaced by a continuation of the same stream (deployments/resume.py)."""
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
 
@@ -15,8 +18,11 @@ from ray import exceptions as ray_exceptions
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from baton.engine.types import ConversationNotFound, EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
+from deployments.metrics import ResumeMetrics
+from deployments.resume import ResumeOutcome, ResumePlan, client_delta, finish_delta, plan_resume
 from deployments.turn_placement import Placement
 from router.directory_state import ForeignConversation
+from router.policy import NoReplicaAvailable
 
 logger = logging.getLogger("ray.serve")
 
@@ -57,60 +63,127 @@ def cancel_quietly(gen: Any) -> None:
 
 
 class PoolBackend:
-    """Serves one turn under the configured routing policy (decided by the directory)."""
+    """Serves one turn under the configured routing policy (decided by the directory).
 
-    def __init__(self, decode: Any, prefill: Any | None = None, directory: Any | None = None):
+    A decoder lost before the stream's first delta: the turn is re-placed once, as planned
+    (remote prefill and all). A decoder lost after deltas reached the client: the stream is
+    resumed on another decoder (deployments/resume.py), at most once, prefilled on that decoder;
+    `resumes` counts how that went (deployments.metrics.ResumeMetrics). A stream the client
+    left is never resumed: closing it cancels the engine request and ends here."""
+
+    def __init__(self, decode: Any, prefill: Any | None = None, directory: Any | None = None, resumes: ResumeMetrics | None = None):
         self._decode = decode
         self._prefill = prefill
         self._directory = directory
+        self._resumes = resumes
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
-        for attempt in (1, 2):
-            placement = await self._place(request)
-            target = placement.decode_replica
-            kv_params = await self._remote_prefill(request) if placement.remote_prefill else None
-            # the prefill engine injected the memories and its KV arrives over NIXL: the decoder
-            # has nothing left to inject (the cache salt stays, so later turns hit that KV)
-            memory = None if kv_params else request.memory
-            decode_req = replace(request, target_replica=target, kv_transfer_params=kv_params, memory=memory)
-            gen = self._decode.options(stream=True).generate.remote(decode_req)
-            yielded = done = False
-            try:
-                async for delta in gen:
-                    if not yielded:
-                        if delta.replica and delta.replica != target:
-                            await self._tell_directory("served", request.session_id, delta.replica)
-                        delta = replace(delta, turn_index=placement.turn_index)
-                    yielded = True
-                    done = delta.finished
-                    yield delta
-                return
-            except Exception as e:
-                translated = translate_error(e)
-                if translated is e:
-                    raise
-                if isinstance(translated, ReplicaLost) and target is not None:
-                    await self._tell_directory("replica_failed", target)
-                    if not yielded and attempt == 1:
+        delivered: list[int] = []  # token ids the client has, in order
+        plan: ResumePlan | None = None  # the resume being served
+        yielded = replaced = failed = False
+        turn = request  # what the next decoder is asked
+        try:
+            while True:
+                placement = await self._place(turn)
+                if plan is not None:  # a resume is prefilled on its new decoder: one hop fewer in a recovery path
+                    placement = replace(placement, remote_prefill=False)
+                target = placement.decode_replica
+                first = True
+                try:
+                    async with aclosing(self._stream(turn, placement)) as stream:
+                        async for delta in stream:
+                            if first:
+                                first = False
+                                if delta.replica and delta.replica != target:
+                                    await self._tell_directory("served", request.session_id, delta.replica)
+                            if plan is not None:
+                                delta = client_delta(delta, plan)
+                            elif not yielded:
+                                delta = replace(delta, turn_index=placement.turn_index)
+                            delivered.extend(delta.token_ids)
+                            yielded = True
+                            yield delta
+                    return
+                except ReplicaLost:
+                    if target is not None:
+                        await self._tell_directory("replica_failed", target)
+                    if not yielded and target is not None and not replaced:
+                        replaced = True
                         logger.warning("decoder %s lost before the first token of %s; re-placing the turn", target, request.request_id)
                         continue
-                logger.warning("request %s failed: %s", request.request_id, translated)
-                raise translated from None
-            finally:
-                if not done:
-                    cancel_quietly(gen)
+                    if not yielded:
+                        raise
+                    decision = plan_resume(request, delivered, plan.resume if plan else 0, placed=target is not None)
+                    if isinstance(decision, ResumePlan):
+                        logger.warning("decoder %s lost after %d tokens of %s; resuming the stream as %s", target, decision.delivered,
+                                       request.request_id, decision.request.request_id)
+                        plan, turn = decision, decision.request
+                        continue
+                    if plan is None:
+                        self._count(decision.outcome)
+                    if decision.finish_reason is None:
+                        logger.warning("stream %s lost its decoder after %d tokens; not resumed (%s)", request.request_id, len(delivered),
+                                       decision.reason)
+                        raise
+                    yield finish_delta(decision, len(request.prompt_token_ids))
+                    return
+        except Exception:
+            failed = True
+            raise
+        finally:
+            if plan is not None:
+                self._count("failed" if failed else "resumed")
+
+    async def _stream(self, request: GenerationRequest, placement: Placement) -> AsyncIterator[GenerationDelta]:
+        """One decoder's stream for `request` as placed (after a remote prefill when the placement
+        says so). Ray failures come out translated; the engine request is cancelled unless it
+        finished (failed, or closed early by the consumer)."""
+        kv_params = await self._remote_prefill(request) if placement.remote_prefill else None
+        # the prefill engine injected the memories and its KV arrives over NIXL: the decoder
+        # has nothing left to inject (the cache salt stays, so later turns hit that KV)
+        memory = None if kv_params else request.memory
+        decode_req = replace(request, target_replica=placement.decode_replica, kv_transfer_params=kv_params, memory=memory)
+        gen = self._decode.options(stream=True).generate.remote(decode_req)
+        done = False
+        try:
+            async for delta in gen:
+                done = delta.finished
+                yield delta
+        except Exception as e:
+            translated = translate_error(e)
+            if translated is e:
+                raise
+            logger.warning("request %s failed: %s", request.request_id, translated)
+            raise translated from None
+        finally:
+            if not done:
+                cancel_quietly(gen)
+
+    def _count(self, outcome: ResumeOutcome) -> None:
+        if self._resumes is not None:
+            self._resumes.stream_resume(outcome)
 
     async def _place(self, request: GenerationRequest) -> Placement:
-        """The directory's plan for this turn; without a directory (or an answer from it), by load."""
+        """The directory's plan for this turn; without a directory, by load. The directory also
+        checks who owns a conversation, so a turn with a session id fails closed: when the
+        directory cannot answer, EngineUnavailable (503 + Retry-After), never a turn placed with
+        no owner check. A turn without one, or one the directory checked but had no live decoder
+        for (NoReplicaAvailable comes after the check), is placed by load."""
         if self._directory is None:
             return Placement.by_load()
         try:
             plan = await asyncio.wait_for(
                 self._directory.route.remote(request.session_id, request.user, len(request.prompt_token_ids)), DIRECTORY_TIMEOUT_S
             )
-        except Exception as e:  # noqa: BLE001 - the directory is advice; serving goes on without it
-            if isinstance(getattr(e, "cause", None) or e, ForeignConversation):
+        except Exception as e:  # noqa: BLE001 - the directory's placement is advice; its owner check is not
+            cause = getattr(e, "cause", None) or e
+            if isinstance(cause, ForeignConversation):
                 raise ConversationNotFound(request.session_id) from None
+            if request.session_id and not isinstance(cause, NoReplicaAvailable):
+                logger.warning("conversation directory could not check %s (%s); refusing the turn", request.request_id, type(e).__name__)
+                raise EngineUnavailable(
+                    "the conversation directory is unreachable, so the conversation's owner cannot be checked; retry shortly"
+                ) from None
             logger.warning("conversation directory could not place %s (%s); placing by load", request.request_id, type(e).__name__)
             return Placement.by_load()
         return Placement.of(plan, prefill_pool=self._prefill is not None, in_conversation=bool(request.session_id))

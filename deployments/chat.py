@@ -19,7 +19,7 @@ class PromptRenderer:
         self._vocab_size = len(tokenizer)
 
     @classmethod
-    def from_path(cls, path: str) -> "PromptRenderer":
+    def from_path(cls, path: str) -> PromptRenderer:
         from transformers import AutoTokenizer
 
         return cls(AutoTokenizer.from_pretrained(path))

@@ -5,6 +5,7 @@ Every model forbids unknown fields, so a typo in YAML fails with the field's pat
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -92,10 +93,21 @@ class RoutingConfig(_Strict):
     kv_weight: float = Field(1.0, ge=0, description="weight of KV occupancy in load-based placement")
     prefill_token_weight: float = Field(1.0 / 8192, ge=0, description="load score per queued prefill token")
     replica_stale_after_s: float = Field(10.0, gt=0, description="a replica that has not reported this long is not placed on")
+    ownership_db_path: str = Field(
+        ".cache/baton/conversations.sqlite3", min_length=1,
+        description="SQLite file recording who owns each conversation (survives directory and cluster restarts); "
+        "relative to the repo root, on the node the directory runs on; ':memory:' keeps it in memory (tests)")
 
     @property
     def disaggregated(self) -> bool:
         return self.policy in DISAGGREGATED
+
+    def resolved_ownership_db_path(self, root: Path) -> str:
+        """`ownership_db_path` as an absolute path (relative ones from `root`); ':memory:' as is."""
+        if self.ownership_db_path == ":memory:":
+            return self.ownership_db_path
+        p = Path(self.ownership_db_path).expanduser()
+        return str(p if p.is_absolute() else Path(root) / p)
 
 
 class RealtimeConfig(_Strict):

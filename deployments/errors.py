@@ -56,5 +56,11 @@ def unavailable(reason: str, retry_after_s: int = 1) -> APIError:
     return APIError(503, f"service unavailable: {reason}", code="engine_unavailable", headers={"Retry-After": str(retry_after_s)})
 
 
+def conversation_not_found() -> APIError:
+    """The one answer for a session id that is not the caller's conversation: someone else's and
+    nobody's look the same, so nothing leaks."""
+    return APIError(404, "no such conversation for this user", param="session_id", code="conversation_not_found")
+
+
 def overloaded(reason: str, retry_after_s: int = 1) -> APIError:
     return APIError(429, f"too many requests: {reason}", code="overloaded", headers={"Retry-After": str(retry_after_s)})

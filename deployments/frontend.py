@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from baton.engine.types import ConversationNotFound, EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
 from deployments.chat import PromptRenderer
-from deployments.errors import APIError, bad_request, unavailable
+from deployments.errors import APIError, bad_request, conversation_not_found, unavailable
 from deployments.inflight import InflightLimit, Ticket
 from deployments.metrics import IngressMetrics
 from deployments.protocol import (
@@ -266,7 +266,7 @@ class OpenAIFrontend:
         except EngineRequestError as e:
             raise bad_request(f"the engine rejected the request: {e}", code="engine_rejected") from None
         except ConversationNotFound:
-            raise APIError(404, "no such conversation for this user", param="session_id", code="conversation_not_found") from None
+            raise conversation_not_found() from None
         finally:
             aclose = getattr(gen, "aclose", None)
             if aclose is not None:

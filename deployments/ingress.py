@@ -47,13 +47,14 @@ class Ingress:
         self._realtime = None
         if settings.realtime is not None:
             self._realtime = RealtimeFrontend(settings.realtime, decode, directory, renderer, ServeRealtimeMetrics())
+        self._metrics = ServeIngressMetrics()
         self._frontend = OpenAIFrontend(
             model_id=settings.model_id,
             renderer=renderer,
-            backend=PoolBackend(decode, prefill if settings.disaggregated else None, directory),
+            backend=PoolBackend(decode, prefill if settings.disaggregated else None, directory, resumes=self._metrics),
             max_model_len=settings.max_model_len,
             default_max_tokens=settings.default_max_tokens,
-            metrics=ServeIngressMetrics(),
+            metrics=self._metrics,
             admission=InflightLimit(settings.max_inflight_requests),
         )
 
@@ -62,10 +63,20 @@ class Ingress:
             ingress_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside Serve
             ingress_id = None
-        return build_openai_app(self._frontend, self._health, self._stats, ingress_id, self._api_keys, self._memory, self._realtime)
+        return build_openai_app(self._frontend, self._health, self._public_stats, ingress_id, self._api_keys, self._memory, self._realtime,
+                                end_conversation=self._end_conversation)
 
     async def _stats(self) -> dict[str, Any]:
         return await asyncio.wait_for(self._directory.snapshot.remote(), timeout=5.0)
+
+    async def _public_stats(self) -> dict[str, Any]:
+        """GET /baton/stats: the directory's snapshot, and the streams this ingress replica resumed
+        (by outcome; each ingress replica counts its own, deployments/resume.py)."""
+        return {**await self._stats(), "ingress": {"stream_resumes": dict(self._metrics.resume_totals)}}
+
+    async def _end_conversation(self, session_id: str, user: str | None) -> bool:
+        """DELETE /v1/conversations/{id}: the directory checks the owner, drops the pin and the ownership."""
+        return await asyncio.wait_for(self._directory.end_conversation.remote(session_id, user), timeout=5.0)
 
     async def _health(self) -> dict[str, Any]:
         """ok when the directory sees a live decode replica (and a prefill replica where the

@@ -64,7 +64,7 @@ class MemoryFrontend:
     async def _call(self, method: str, *args: Any) -> Any:
         try:
             return await asyncio.wait_for(getattr(self._store, method).remote(*args), STORE_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise unavailable("memory store did not answer in time") from None
         except Exception as e:  # noqa: BLE001 - mapped to 400/404/503
             raise store_error(e) from None

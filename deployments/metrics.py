@@ -1,7 +1,7 @@
 """Ingress metrics. `ServeIngressMetrics` exports through Ray Serve's metrics API (Prometheus on
 the Ray metrics port); `RecordingMetrics` keeps observations in memory for tests and reports.
 Engine replicas publish their segment connector's totals through `ServeSegmentMetrics`.
-Labels never carry prompt text or user ids: only endpoint, status and pool."""
+Labels never carry prompt text or user ids: only endpoint, status, pool, turn and outcome."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -28,6 +28,13 @@ class IngressMetrics(Protocol):
     def tokens(self, endpoint: str, prompt: int, cached: int, generated: int) -> None: ...
 
 
+class ResumeMetrics(Protocol):
+    """Streams whose decoder died mid-stream (deployments/resume.py), by outcome: resumed |
+    finished | refused | failed (deployments.resume.ResumeOutcome)."""
+
+    def stream_resume(self, outcome: str) -> None: ...
+
+
 class RecordingMetrics:
     def __init__(self) -> None:
         self.requests: dict[tuple[str, int], int] = defaultdict(int)
@@ -35,6 +42,7 @@ class RecordingMetrics:
         self.ttft_turns: list[int | None] = []
         self.tpots: list[float] = []
         self.token_totals: dict[str, int] = defaultdict(int)
+        self.resume_totals: dict[str, int] = defaultdict(int)
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
@@ -51,6 +59,9 @@ class RecordingMetrics:
         self.token_totals["cached"] += cached
         self.token_totals["generated"] += generated
 
+    def stream_resume(self, outcome: str) -> None:
+        self.resume_totals[outcome] += 1
+
 
 class ServeIngressMetrics:
     def __init__(self) -> None:
@@ -61,10 +72,16 @@ class ServeIngressMetrics:
             "baton_ttft_seconds", "time to first token, by the turn's index in its conversation (0..4, 5+, none)",
             boundaries=_LATENCY_BOUNDARIES_S, tag_keys=("endpoint", "turn"),
         )
-        self._tpot = metrics.Histogram("baton_time_per_output_token_seconds", "mean time per output token after the first", boundaries=_TPOT_BOUNDARIES_S, tag_keys=("endpoint",))
+        self._tpot = metrics.Histogram("baton_time_per_output_token_seconds", "mean time per output token after the first",
+                                       boundaries=_TPOT_BOUNDARIES_S, tag_keys=("endpoint",))
         self._prompt = metrics.Counter("baton_prompt_tokens", "prompt tokens", tag_keys=("endpoint",))
         self._cached = metrics.Counter("baton_cached_prompt_tokens", "prompt tokens served from the prefix cache", tag_keys=("endpoint",))
         self._generated = metrics.Counter("baton_generated_tokens", "generated tokens", tag_keys=("endpoint",))
+        self._resumes = metrics.Counter(
+            "baton_stream_resumes", "streams whose decoder died mid-stream, by outcome (resumed, finished, refused, failed)",
+            tag_keys=("outcome",),
+        )
+        self.resume_totals: dict[str, int] = defaultdict(int)  # this ingress replica's, for /baton/stats
 
     def request_done(self, endpoint: str, status: int) -> None:
         self._requests.inc(1, tags={"endpoint": endpoint, "status": str(status)})
@@ -83,6 +100,10 @@ class ServeIngressMetrics:
             self._cached.inc(cached, tags=tags)
         if generated:
             self._generated.inc(generated, tags=tags)
+
+    def stream_resume(self, outcome: str) -> None:
+        self._resumes.inc(1, tags={"outcome": outcome})
+        self.resume_totals[outcome] += 1
 
 
 # ---- engine replica: segment connector (kv_transfer/segment_stats.py) ------------------------------

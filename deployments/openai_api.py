@@ -1,4 +1,10 @@
-"""HTTP surface: the FastAPI app (routes, error handlers, session ids) over an OpenAIFrontend."""
+"""HTTP surface: the FastAPI app (routes, error handlers, session ids) over an OpenAIFrontend.
+
+Conversations: a session id (x-session-id header or body `session_id`) names a conversation; it
+belongs to the user who opened it (body `user`, or the API key's user). DELETE
+/v1/conversations/{id} lets that user end it (its pin and ownership go; the id is free again);
+the user is named as for /v1/memories (API key, `x-baton-user` header or `user` query
+parameter; none for a conversation opened without a user)."""
 from __future__ import annotations
 
 import hmac
@@ -14,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.errors import APIError, bad_request
+from deployments.errors import APIError, bad_request, conversation_not_found, unavailable
 from deployments.frontend import OpenAIFrontend, Prepared
 from deployments.memory_api import USER_HEADER, MemoryFrontend, resolve_user
 from deployments.protocol import SESSION_ID_MAX, AddMemoriesRequest, ChatCompletionRequest, CompletionRequest
@@ -30,6 +36,7 @@ _SESSION_RE = re.compile(rf"^[A-Za-z0-9._:@/+=-]{{1,{SESSION_ID_MAX}}}$")
 
 HealthCheck = Callable[[], Awaitable[dict[str, Any]]]
 Prepare = Callable[[Any, str | None, Request], Awaitable[Prepared]]  # (parsed body, session id, request) -> Prepared
+EndConversation = Callable[[str, str | None], Awaitable[bool]]  # (session id, user) -> whether that user's conversation ended
 
 
 def session_id_of(request: Request, body_session: str | None) -> str | None:
@@ -104,6 +111,7 @@ def build_openai_app(
     api_keys: Mapping[str, str | None] | None = None,
     memory: MemoryFrontend | None = None,
     realtime: RealtimeFrontend | None = None,
+    end_conversation: EndConversation | None = None,
 ) -> FastAPI:
     app = FastAPI(title="Baton", description="OpenAI-compatible conversation serving on Ray Serve", version="0.1.0")
 
@@ -186,6 +194,9 @@ def build_openai_app(
     if memory is not None:
         _memory_routes(app, memory)
 
+    if end_conversation is not None:
+        _conversation_routes(app, end_conversation)
+
     if realtime is not None:
 
         @app.websocket("/v1/realtime")
@@ -238,6 +249,26 @@ def _memory_routes(app: FastAPI, memory: MemoryFrontend) -> None:
     @app.delete("/v1/memories")
     async def delete_memories(request: Request) -> Any:
         return await memory.delete_all(_memory_user(request))
+
+
+def _conversation_routes(app: FastAPI, end_conversation: EndConversation) -> None:
+    """DELETE /v1/conversations/{id}: the owner ends a conversation. 404 (the same body) for one
+    that is someone else's or nobody's; 503 with Retry-After when the directory cannot answer."""
+
+    @app.delete("/v1/conversations/{session_id:path}")
+    async def delete_conversation(request: Request, session_id: str) -> Any:
+        if not _SESSION_RE.match(session_id):
+            raise bad_request(f"session id must be 1-{SESSION_ID_MAX} characters of [A-Za-z0-9._:@/+=-]", param="session_id")
+        claimed = request.headers.get(USER_HEADER) or request.query_params.get("user")
+        user = resolve_user(_bound_user(request), claimed, required=False)
+        try:
+            ended = await end_conversation(session_id, user)
+        except Exception as e:  # noqa: BLE001 - the directory is down or slow: the client retries
+            logger.warning("ending a conversation failed: %s", type(e).__name__)
+            raise unavailable(f"conversation directory unavailable ({type(e).__name__})") from None
+        if not ended:
+            raise conversation_not_found()
+        return {"id": session_id, "object": "conversation.deleted", "deleted": True}
 
 
 def _fact_id(fact_id: str) -> str:

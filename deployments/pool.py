@@ -11,16 +11,16 @@ from typing import Any
 from ray import serve
 from ray.serve import metrics
 
-from deployments.log_guard import serve_logging_kept
-from deployments.metrics import ServeSegmentMetrics
-from deployments.replica_report import replica_report
-from kv_transfer.ledger import process_ledger
-from kv_transfer.segment_stats import segment_stats
 from baton.engine.args import EngineSpec
 from baton.engine.realtime.manager import RealtimeSessions, UnknownSession
 from baton.engine.realtime.messages import RealtimeClose, RealtimeOpen, RealtimeTick, TickResult
 from baton.engine.runner import EngineRunner
 from baton.engine.types import EngineStats, EngineUnavailable, GenerationDelta, GenerationRequest
+from deployments.log_guard import serve_logging_kept
+from deployments.metrics import ServeSegmentMetrics
+from deployments.replica_report import HeldConversations, replica_report
+from kv_transfer.ledger import process_ledger
+from kv_transfer.segment_stats import segment_stats
 
 logger = logging.getLogger("ray.serve")
 
@@ -33,6 +33,7 @@ class EngineReplica:
         self._pool = pool
         self._replica_id = _own_replica_id()
         self._directory = directory
+        self._held = HeldConversations()  # conversations served here: rebuilds a restarted directory's pins
         t0 = time.monotonic()
         with serve_logging_kept():  # vLLM and NIXL reconfigure logging while the engine is built
             self._runner = EngineRunner(engine_spec_for_this_replica(spec))
@@ -62,6 +63,8 @@ class EngineReplica:
         logger.info("pool %s: engine up in %.1fs (pid %d)", pool, self.start_seconds, os.getpid())
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        if self._pool == "decode":  # a decoder holds the conversation's KV (a prefill replica hands it off)
+            self._held.served(request.session_id, time.monotonic())
         injection = await self._memory_segments(request)
         first = True
         async for delta in self._runner.generate(request, injection=injection):
@@ -118,8 +121,9 @@ class EngineReplica:
         return closed
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Called by Serve every routing_stats_period_s; also pushes the same figures to the
-        conversation directory (fire and forget: a slow directory never delays routing)."""
+        """Called by Serve every routing_stats_period_s; also pushes the same figures, and a
+        decoder's recent conversations, to the conversation directory (fire and forget: a slow
+        directory never delays routing)."""
         stats = self._runner.stats
         ck = self._runner.checkpoint_metrics
         if ck is not None:
@@ -135,7 +139,8 @@ class EngineReplica:
         if ck is not None:  # shown per replica in /baton/stats
             extra.update(checkpoints_held=ck.checkpoints_held, checkpoint_state_bytes=ck.state_bytes,
                          checkpoint_hit_tokens=ck.hit_tokens, checkpoint_recomputed_tokens=ck.recomputed_tokens)
-        report = replica_report(self._replica_id, self._pool, stats, process_ledger().totals(), extra)
+        report = replica_report(self._replica_id, self._pool, stats, process_ledger().totals(), extra,
+                                self._held.recent(time.monotonic()))
         if self._directory is not None and stats.healthy:
             self._directory.report.remote(report)
         return report.figures()

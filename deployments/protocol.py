@@ -58,7 +58,7 @@ class MemoriesOption(_Body):
     window: int | None = Field(None, ge=0, le=64, description="context window w used to encode each fact's KV")
 
     @model_validator(mode="after")
-    def _one_way(self) -> "MemoriesOption":
+    def _one_way(self) -> MemoriesOption:
         if self.k is not None and self.ids is not None:
             raise ValueError("give either k or ids, not both")
         return self
@@ -69,11 +69,11 @@ class AddMemoriesRequest(_Body):
 
     user: str | None = Field(None, max_length=128)
     facts: list[str] | None = Field(None, min_length=1, max_length=256)
-    messages: list["ChatMessage"] | None = Field(None, min_length=1, max_length=256)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=256)
     source: str | None = Field(None, min_length=1, max_length=128, description="where the facts come from (default: api, or the session id)")
 
     @model_validator(mode="after")
-    def _one_input(self) -> "AddMemoriesRequest":
+    def _one_input(self) -> AddMemoriesRequest:
         if (self.facts is None) == (self.messages is None):
             raise ValueError("give exactly one of facts or messages")
         return self
@@ -95,7 +95,7 @@ class _Sampling(_Body):
     user: str | None = Field(None, max_length=256)
     session_id: str | None = Field(None, min_length=1, max_length=SESSION_ID_MAX, description="conversation id for clients that cannot send x-session-id")
     ignore_eos: bool = False
-    memories: "MemoriesOption | None" = Field(None, description="recall the user's memory facts into the prompt (needs the memory store)")
+    memories: MemoriesOption | None = Field(None, description="recall the user's memory facts into the prompt (needs the memory store)")
 
     @field_validator("stop")
     @classmethod
@@ -169,7 +169,8 @@ def chat_response(rid: str, model: str, text: str, finish_reason: str | None, us
 
 
 def chat_chunk(rid: str, model: str, delta: dict[str, Any], finish_reason: str | None = None, use: dict[str, Any] | None = None) -> dict[str, Any]:
-    choices = [] if use is not None and not delta and finish_reason is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+    empty = use is not None and not delta and finish_reason is None
+    choices = [] if empty else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
     chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model, "choices": choices}
     if use is not None:
         chunk["usage"] = use

@@ -201,7 +201,7 @@ class RealtimeFrontend:
         if self._directory is None:
             return None
         try:
-            plan = await asyncio.wait_for(self._directory.route.remote(msg.session_id, None, len(msg.preamble_ids)), 5.0)
+            plan = await asyncio.wait_for(self._directory.route.remote(msg.session_id, None, len(msg.preamble_ids), owned=False), 5.0)
             return plan.decode_replica
         except Exception as e:  # noqa: BLE001 - advisory: place by load
             logger.warning("directory could not place a real-time session (%s)", type(e).__name__)

@@ -1,17 +1,48 @@
-"""How an engine replica describes itself to the router: its engine's stats and this process's
-KV-transfer totals become one router.report.ReplicaReport (pure; deployments/pool.py sends it)."""
+"""How an engine replica describes itself to the router: its engine's stats, this process's
+KV-transfer totals and the conversations it served lately (`HeldConversations`) become one
+router.report.ReplicaReport (pure; deployments/pool.py sends it). The conversations let a
+restarted directory rebuild its pins from the decoders themselves."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 
 from baton.engine.types import EngineStats
 from kv_transfer.ledger import TransferTotals
-from router.report import ReplicaReport
+from router.report import MAX_REPORTED_CONVERSATIONS, ReplicaReport
+
+
+class HeldConversations:
+    """The session ids of the turns this replica served lately, most recent last: a bounded LRU
+    (its KV is likely still in the prefix cache). Clock-injected by the caller (monotonic)."""
+
+    def __init__(self, capacity: int = MAX_REPORTED_CONVERSATIONS):
+        if not 1 <= capacity <= MAX_REPORTED_CONVERSATIONS:
+            raise ValueError(f"capacity must lie in [1, {MAX_REPORTED_CONVERSATIONS}]")
+        self.capacity = capacity
+        self._last: OrderedDict[str, float] = OrderedDict()  # session id -> when last served
+
+    def served(self, session_id: str | None, now: float) -> None:
+        if not session_id:
+            return
+        self._last[session_id] = now
+        self._last.move_to_end(session_id)
+        if len(self._last) > self.capacity:
+            self._last.popitem(last=False)
+
+    def recent(self, now: float) -> tuple[tuple[str, float], ...]:
+        """(session id, idle seconds), most recent first: ReplicaReport.conversations."""
+        return tuple((sid, max(0.0, now - at)) for sid, at in reversed(self._last.items()))
+
+    def __len__(self) -> int:
+        return len(self._last)
 
 
 def replica_report(replica_id: str, pool: str, stats: EngineStats, transfers: TransferTotals,
-                   extra: Mapping[str, float] | None = None) -> ReplicaReport:
-    """The report of one replica; `extra`: display-only figures (checkpoint, segment counters)."""
+                   extra: Mapping[str, float] | None = None,
+                   conversations: tuple[tuple[str, float], ...] = ()) -> ReplicaReport:
+    """The report of one replica; `extra`: display-only figures (checkpoint, segment counters);
+    `conversations`: HeldConversations.recent() (decoders only)."""
     return ReplicaReport(
         replica_id=replica_id,
         pool=pool,
@@ -27,4 +58,5 @@ def replica_report(replica_id: str, pool: str, stats: EngineStats, transfers: Tr
         kv_transfer_failures=transfers.failures,
         kv_transfers_offered=transfers.requests_offered,
         extra=tuple((extra or {}).items()),
+        conversations=conversations,
     )

@@ -18,8 +18,9 @@ Other cache shapes raise UnsupportedLayout (capture then fails and the caller re
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

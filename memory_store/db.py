@@ -169,7 +169,7 @@ class FactStore:
                                        (user, source)).fetchone()
                 first = 0 if row[0] is None else row[0] + 1
                 facts = [Fact(self._new_id(), user, t, source, first + i, now, _readonly(v))
-                         for i, (t, v) in enumerate(zip(texts, vecs))]
+                         for i, (t, v) in enumerate(zip(texts, vecs, strict=True))]
                 self._db.executemany(
                     "INSERT INTO facts (id, user, source, seq, text, created_at, embedding) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?)",

@@ -21,7 +21,7 @@ class FactNotFound(MemoryStoreError, LookupError):
         self.ids: tuple[str, ...] = tuple(ids)
         super().__init__(f"{len(self.ids)} memory id(s) not found: {', '.join(self.ids)}")
 
-    def __reduce__(self) -> tuple[type["FactNotFound"], tuple[tuple[str, ...]]]:
+    def __reduce__(self) -> tuple[type[FactNotFound], tuple[tuple[str, ...]]]:
         # it crosses Ray (pickled) from the memory-store actor: rebuild from the ids, not from
         # the message, which __init__ would otherwise split into characters
         return (type(self), (self.ids,))

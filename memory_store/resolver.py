@@ -95,7 +95,7 @@ class SegmentResolver:
                                         with_anchor=any(k.kind == "anchor" for k in todo))
             found.update(encoded)
         segs = tuple(found[k] for k in keys)
-        for seg, (a, b) in zip(segs, _spans(m)):
+        for seg, (a, b) in zip(segs, _spans(m), strict=True):
             if seg.token_ids != tuple(prompt[a:b]):
                 raise MemoryUnavailable(f"segment tokens differ from prompt positions [{a}, {b})")
         return segs
@@ -114,11 +114,11 @@ class SegmentResolver:
             results = await asyncio.gather(*(
                 self._engine.capture(f"mem-enc-{uuid.uuid4().hex}", prompt, (span,)) for _, prompt, span, _ in jobs
             ))
-        except Exception as e:  # noqa: BLE001 - reported as one typed failure
+        except Exception as e:
             raise MemoryUnavailable(f"encoding memory KV failed: {e}") from e
         out: dict[SegmentKey, KVSegment] = {}
         items = []
-        for (key, _, (a, b), ctx), segs in zip(jobs, results):
+        for (key, _, (a, b), ctx), segs in zip(jobs, results, strict=True):
             out[key] = segs[0]
             self._local.put(key, _Held(segs[0], tuple(ctx)))
             self.encoded_tokens += b - a

@@ -36,7 +36,7 @@ class FactView:
     created_at: float
 
     @classmethod
-    def of(cls, f: Fact) -> "FactView":
+    def of(cls, f: Fact) -> FactView:
         return cls(f.id, f.text, f.source, f.seq, f.created_at)
 
     def as_json(self) -> dict[str, Any]:

@@ -1,6 +1,10 @@
 """The conversation directory: ONE Serve replica that every ingress replica asks where a turn
 goes, and every engine replica reports to. Because it is a single replica that handles one call
-at a time, two ingress replicas can never pin one conversation to two decoders."""
+at a time, two ingress replicas can never pin one conversation to two decoders.
+
+Conversation ownership is kept in a SQLite file (`routing.ownership_db_path`, router/ownership.py),
+so a restarted directory still refuses one user's session id to another; its pins come back from
+the decoders' reports (DirectoryState.report)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +17,7 @@ from ray.serve import metrics
 
 from router.cliff import OccupancyTracker
 from router.directory_state import DirectorySettings, DirectoryState
+from router.ownership import KnownOwners, OwnershipStore
 from router.policy import TurnPlan
 from router.report import ReplicaReport
 
@@ -23,8 +28,10 @@ CLIFF_WINDOW_S = 60.0
 
 
 class ConversationDirectory:
-    def __init__(self, settings: DirectorySettings):
-        self._state = DirectoryState(settings)
+    def __init__(self, settings: DirectorySettings, ownership_db_path: str = ":memory:"):
+        self._owners = OwnershipStore(ownership_db_path)
+        logger.info("conversation ownership in %s (%d conversations)", ownership_db_path, self._owners.count())
+        self._state = DirectoryState(settings, KnownOwners(self._owners))
         self._expiry_task: asyncio.Task | None = None
         self._live_pins = metrics.Gauge("baton_live_pins", "conversations pinned to a decoder")
         self._conversations = metrics.Counter("baton_conversations", "conversations seen")
@@ -55,7 +62,10 @@ class ConversationDirectory:
 
     async def report(self, report: ReplicaReport) -> None:
         self._ensure_expiry()
+        adopted = self._state.totals["pins_adopted"]
         self._state.report(report, time.monotonic())
+        if self._state.totals["pins_adopted"] > adopted:
+            logger.info("adopted %d pins from the report of %s", self._state.totals["pins_adopted"] - adopted, report.replica_id)
         if report.pool == "decode":
             replica_id = report.replica_id
             tags = {"decoder": replica_id}
@@ -69,10 +79,12 @@ class ConversationDirectory:
             forecast = tracker.forecast(now)
             self._eta.set(max(0.0, forecast.eta_s) if forecast is not None else -1.0, tags=tags)
 
-    async def route(self, session_id: str | None, user: str | None, prompt_tokens: int) -> TurnPlan:
+    async def route(self, session_id: str | None, user: str | None, prompt_tokens: int, *, owned: bool = True) -> TurnPlan:
+        """owned=False: a session whose id the server made and whose connection is its only key
+        (a real-time WebSocket): pinned like a conversation, never written to the ownership store."""
         self._ensure_expiry()
         before = self._state.totals["conversations"]
-        plan = self._state.route(session_id, user, prompt_tokens, time.monotonic())
+        plan = self._state.route(session_id, user, prompt_tokens, time.monotonic(), owned=owned)
         if self._state.totals["conversations"] > before:
             self._conversations.inc()
         if plan.remote_prefill:
@@ -88,8 +100,11 @@ class ConversationDirectory:
         logger.warning("replica %s failed; %d conversations will be re-placed on their next turn", replica_id, held)
         return held
 
-    async def end_conversation(self, session_id: str) -> bool:
-        return self._state.end_conversation(session_id)
+    async def end_conversation(self, session_id: str, user: str | None) -> bool:
+        """DELETE /v1/conversations/{id}: True when `user` owned it (now ended and unpinned)."""
+        ended = self._state.end_conversation(session_id, user)
+        self._live_pins.set(sum(self._state.pinned_counts().values()))
+        return ended
 
     async def snapshot(self) -> dict[str, Any]:
         return self._state.snapshot(time.monotonic())

@@ -1,9 +1,20 @@
-"""The conversation directory's state: live engine replicas (as they report themselves) and the
-pin of every conversation. Pure and clock-injected, so it is tested without Ray.
+"""The conversation directory's state: live engine replicas (as they report themselves), the
+pin of every conversation, and who owns each conversation. Clock-injected, and its one I/O (the
+ownership file, router/ownership.py) is injected too, so it is tested without Ray.
+
+Ownership is not the pin: a pin says where a conversation's KV is and expires with it; the owner
+is durable (SQLite) and holds after pin expiry and directory restarts, until the owner ends the
+conversation (`end_conversation`). Every turn with a session id is checked (and a new id
+claimed) before it is placed.
+
+Pins survive a directory restart through the decoders: each reports the conversations it served
+lately (ReplicaReport.conversations) and a fresh directory adopts a pin for each conversation it
+has none for, so returning conversations go back to their decoder ("pinned", no second handoff).
 
 Invariants (check_integrity):
 - every pin has a non-empty session id, last_seen >= created, turns >= 1, handoffs >= 0;
 - at most max_conversations pins; unreported load is never negative and only on known replicas;
+- a pin's user agrees with the conversation's owner wherever the owner is cached;
 - (by construction) a replica marked failed is not live until it reports again after stale_after_s.
 """
 from __future__ import annotations
@@ -12,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from router.ownership import Claim, KnownOwners, OwnershipStore
 from router.policy import DISAGGREGATED, NoReplicaAvailable, Policy, TurnPlan, plan_turn
 from router.report import ReplicaReport
 from router.scoring import LoadWeights, ReplicaLoad
@@ -37,6 +49,7 @@ class Pin:
     last_seen: float
     turns: int = 1
     handoffs: int = 0
+    adopted: bool = False  # rebuilt from a decoder's report; no turn placed by this directory yet
 
 
 @dataclass(frozen=True)
@@ -49,8 +62,10 @@ class DirectorySettings:
 
 
 class DirectoryState:
-    def __init__(self, settings: DirectorySettings):
+    def __init__(self, settings: DirectorySettings, owners: KnownOwners | None = None):
+        """`owners`: the durable ownership store (default: an in-memory one, for tests)."""
         self.settings = settings
+        self._owners = owners if owners is not None else KnownOwners(OwnershipStore(":memory:"))
         self._replicas: dict[str, Reported] = {}
         self._failed: dict[str, float] = {}  # replica -> when it failed
         self._pins: dict[str, Pin] = {}
@@ -68,6 +83,27 @@ class DirectoryState:
         self._replicas[replica_id] = Reported(report, now)
         self._failed.pop(replica_id, None)
         self._unreported.pop(replica_id, None)
+        if report.pool == "decode":
+            self._adopt(report, now)
+
+    def _adopt(self, report: ReplicaReport, now: float) -> None:
+        """Pins back from a decoder's list of the conversations it holds. A pin this directory
+        placed is never overridden; of two decoders claiming one conversation the one that served
+        it last wins; conversations idle past the TTL, ended or never owned are not adopted; a
+        full directory adopts nothing (adoption is best effort)."""
+        s = self.settings
+        for sid, idle in report.conversations:
+            seen = now - idle
+            pin = self._pins.get(sid)
+            if idle > s.conversation_ttl_s or (pin is not None and (not pin.adopted or pin.last_seen >= seen)):
+                continue
+            if pin is None and len(self._pins) >= s.max_conversations:
+                continue
+            owner = self._owners.owner(sid)
+            if owner is None:
+                continue
+            self._pins[sid] = Pin(report.replica_id, owner or None, seen, seen, adopted=True)
+            self.totals["pins_adopted"] += 1
 
     def _is_live(self, r: Reported, now: float) -> bool:
         return r.report.replica_id not in self._failed and now - r.at <= self.settings.stale_after_s
@@ -97,17 +133,20 @@ class DirectoryState:
         return Counter(p.decoder for p in self._pins.values())
 
     # ---- turns ----------------------------------------------------------------------------
-    def route(self, session_id: str | None, user: str | None, prompt_tokens: int, now: float) -> TurnPlan:
+    def route(self, session_id: str | None, user: str | None, prompt_tokens: int, now: float, *, owned: bool = True) -> TurnPlan:
         """Plan a turn and record it: the pin is created (or moved) before the turn runs, so two
         ingress replicas asking at once for one new conversation get the same decoder.
-        Raises ForeignConversation when the session id is pinned for another user."""
+        Ownership is checked (a new session id claimed for `user`) before placement, so a
+        NoReplicaAvailable from here means the caller does own the conversation.
+        Raises ForeignConversation when the session id belongs to another user. owned=False skips
+        the ownership store (server-made ids of real-time sessions: their connection is the key)."""
         s = self.settings
         session_id = session_id or None
-        pin = self._pins.get(session_id) if session_id else None
-        if pin is not None and pin.user != user:
+        if owned and session_id is not None and self._owners.claim(session_id, user) is Claim.FOREIGN:
             # a conversation belongs to the user who opened it; to anyone else it does not exist
             self.totals["foreign_session_refused"] += 1
             raise ForeignConversation(session_id)
+        pin = self._pins.get(session_id) if session_id else None
         plan = plan_turn(
             s.policy,
             pinned=pin.decoder if pin else None,
@@ -139,6 +178,7 @@ class DirectoryState:
             return
         pin.decoder = plan.decode_replica
         pin.last_seen = now
+        pin.adopted = False
         pin.turns += 1
         pin.handoffs += int(plan.remote_prefill)
 
@@ -159,8 +199,14 @@ class DirectoryState:
         self.totals["replica_failures"] += 1
         return held
 
-    def end_conversation(self, session_id: str) -> bool:
-        return self._pins.pop(session_id, None) is not None
+    def end_conversation(self, session_id: str, user: str | None = None) -> bool:
+        """The owner ends a conversation: its ownership is forgotten (the id is free again) and
+        its pin dropped. False, changing nothing, when `user` does not own it (or nobody does)."""
+        if not self._owners.forget(session_id, user):
+            return False
+        self._pins.pop(session_id, None)
+        self.totals["ended"] += 1
+        return True
 
     def expire(self, now: float) -> list[str]:
         """Drop conversations idle longer than the TTL; their KV is then only evictable cache."""
@@ -197,6 +243,7 @@ class DirectoryState:
             "handoffs_planned_total": self.totals["planned_handoffs"],
             "handoffs_per_live_conversation": (handoffs / len(convs)) if convs else 0.0,
             "turns_total": self.totals["turns"],
+            "owners_cached": len(self._owners),
             "totals": dict(self.totals),
             "replicas": replicas,
         }
@@ -212,6 +259,12 @@ class DirectoryState:
                 raise AssertionError("negative unreported load")
         if set(self._unreported) - set(self._replicas):
             raise AssertionError("unreported load on a replica that never reported")
+        if len(self._owners) > self._owners.capacity:
+            raise AssertionError("more cached owners than the cache holds")
+        for sid, p in self._pins.items():
+            owner = self._owners.cached(sid)
+            if owner is not None and (p.user or "") != owner:
+                raise AssertionError(f"pin {sid!r} is for {p.user!r} but the conversation is {owner!r}'s")
 
 
 __all__ = ["DirectorySettings", "DirectoryState", "NoReplicaAvailable", "Pin", "Reported"]

@@ -15,12 +15,18 @@ conversation is open to every caller that also names no user, as before.
 
 Invariant: a session id is inserted once and its owner never changes until `forget` (the
 explicit end of a conversation by its owner).
+
+`KnownOwners` sits in front of the store in the directory: the owners of the conversations it
+has seen since it started, so a turn of a known conversation costs no SQLite call and only the
+first turn of each session id (per directory lifetime, or after it falls out of the bounded
+cache) claims it in the file.
 """
 from __future__ import annotations
 
 import sqlite3
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -95,3 +101,62 @@ class OwnershipStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+class KnownOwners:
+    """The owner ("" = anonymous) of each conversation seen lately, in front of an OwnershipStore.
+
+    Only what the store said is cached (an opened or owned claim, a looked-up owner), so the
+    cache never disagrees with the file while this process is its only writer. Bounded LRU:
+    a forgotten entry costs one more read of the file, never a wrong answer."""
+
+    def __init__(self, store: OwnershipStore, capacity: int = 100_000):
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.store = store
+        self.capacity = capacity
+        self._owners: OrderedDict[str, str] = OrderedDict()
+
+    def claim(self, session_id: str, user: str | None) -> Claim:
+        """As OwnershipStore.claim, without touching the file for a conversation seen lately."""
+        who = user or ""
+        known = self._owners.get(session_id)
+        if known is not None:
+            self._owners.move_to_end(session_id)
+            return Claim.OWNED if known == who else Claim.FOREIGN
+        claim = self.store.claim(session_id, user)
+        if claim is not Claim.FOREIGN:  # a stranger's attempt is rare: it is not worth a second read
+            self._remember(session_id, who)
+        return claim
+
+    def owner(self, session_id: str) -> str | None:
+        """The owner ("" = anonymous), or None when nobody owns the session id."""
+        known = self._owners.get(session_id)
+        if known is not None:
+            self._owners.move_to_end(session_id)
+            return known
+        row = self.store.owner(session_id)
+        if row is None:
+            return None
+        self._remember(session_id, row.user)
+        return row.user
+
+    def forget(self, session_id: str, user: str | None) -> bool:
+        """End the conversation if `user` owns it (the store decides); True when it did."""
+        if not self.store.forget(session_id, user):
+            return False
+        self._owners.pop(session_id, None)
+        return True
+
+    def cached(self, session_id: str) -> str | None:
+        """The cached owner, without reading the file (for invariant checks)."""
+        return self._owners.get(session_id)
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def _remember(self, session_id: str, who: str) -> None:
+        self._owners[session_id] = who
+        self._owners.move_to_end(session_id)
+        while len(self._owners) > self.capacity:
+            self._owners.popitem(last=False)

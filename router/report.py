@@ -4,13 +4,18 @@ the replica (deployments/pool.py builds it from its engine's stats) to the conve
 
 The same figures, flattened (`figures()`), are what the replica returns to Serve's
 `record_routing_stats` (read by router/serve_router.py) and what the directory's snapshot shows
-per replica (/baton/stats)."""
+per replica (/baton/stats).
+
+`conversations` is how a restarted directory gets its pins back: the conversations whose KV the
+replica holds (it served a turn of them lately), with how long each has been idle there."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 POOLS = ("prefill", "decode")
+MAX_REPORTED_CONVERSATIONS = 4096  # the most recent conversations one report lists
+_NOT_FIGURES = frozenset({"replica_id", "pool", "extra", "conversations"})
 _COUNTS = ("kv_capacity_tokens", "num_running", "num_waiting", "pending_prefill_tokens", "in_flight",
            "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfers_offered")
 
@@ -21,7 +26,11 @@ class ReplicaReport:
 
     extra: display-only figures (name, value) such as checkpoint or segment counters; shown in the
     snapshot, never used for placement. Invariants (checked at construction): a known pool,
-    no negative fraction or count, extra names distinct and not shadowing a field."""
+    no negative fraction or count, extra names distinct and not shadowing a field.
+
+    conversations: (session id, seconds since this replica last served a turn of it), most
+    recent first, at most MAX_REPORTED_CONVERSATIONS, ids non-empty and distinct, idle >= 0.
+    Not a figure: used by the directory to rebuild pins (DirectoryState.report)."""
 
     replica_id: str
     pool: str  # one of POOLS
@@ -37,6 +46,7 @@ class ReplicaReport:
     kv_transfer_failures: int = 0
     kv_transfers_offered: int = 0  # KV handoffs this replica produced for a decoder
     extra: tuple[tuple[str, float], ...] = ()
+    conversations: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.pool not in POOLS:
@@ -48,10 +58,13 @@ class ReplicaReport:
         own = {f.name for f in fields(self)}
         if len(set(names)) != len(names) or own & set(names):
             raise ValueError(f"extra figures repeat a name: {sorted(names)}")
+        held = [sid for sid, _ in self.conversations]
+        if len(held) > MAX_REPORTED_CONVERSATIONS:
+            raise ValueError(f"{len(held)} conversations in the report of {self.replica_id} (at most {MAX_REPORTED_CONVERSATIONS})")
+        if len(set(held)) != len(held) or not all(held) or any(idle < 0 for _, idle in self.conversations):
+            raise ValueError(f"conversations in the report of {self.replica_id} must be distinct non-empty ids with idle >= 0")
 
     def figures(self) -> dict[str, Any]:
-        """The flat figures: every field but replica_id, pool and extra, then the extra figures."""
-        flat = asdict(self)
-        for key in ("replica_id", "pool", "extra"):
-            del flat[key]
+        """The flat figures: every field but replica_id, pool, extra and conversations, then the extra figures."""
+        flat = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_FIGURES}
         return {**flat, **dict(self.extra)}

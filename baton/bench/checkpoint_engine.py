@@ -11,8 +11,8 @@ import multiprocessing as mp
 import os
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
+
 from baton.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -65,7 +65,8 @@ def _run(mode: str, ckpt: dict[str, Any] | None, prompts: list[list[int]], max_t
         out.put({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"})
 
 
-def run_engine(mode: str, prompts: list[list[int]], *, ckpt: dict[str, Any] | None = None, max_tokens: int = 8, max_model_len: int = 4096, timeout_s: float = 900) -> dict[str, Any]:
+def run_engine(mode: str, prompts: list[list[int]], *, ckpt: dict[str, Any] | None = None, max_tokens: int = 8, max_model_len: int = 4096,
+               timeout_s: float = 900) -> dict[str, Any]:
     """Start an engine in a fresh process, send the prompts one after another, return its rows."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

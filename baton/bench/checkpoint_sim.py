@@ -104,7 +104,7 @@ def steady_state(cfg: CheckpointConfig, block_size: int, stream: Sequence[tuple[
         if fam is not None:
             fams.setdefault(fam, []).append((m, L))
     recomputed, planned = 0, 0
-    for fam, rows in fams.items():
+    for rows in fams.values():
         length = max((L - 1) // block_size * block_size for _, L in rows)
         depths = np.array([m for m, _ in rows], dtype=np.int64)
         plan = plan_for(cfg, length, block_size, depths, np.ones(len(rows)))

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from baton.bench.checkpoint_engine import TINY_HYBRID, run_engine
+from baton.bench.checkpoint_sim import block_keys, match_depths, simulate_keyed, steady_state
 from baton.bench.checkpoint_workloads import long_documents, shared_prompts
 from baton.engine.checkpoints.config import CheckpointConfig
-from baton.bench.checkpoint_sim import block_keys, match_depths, simulate_keyed, steady_state
 
 B = 128  # tiny-LFM2's state block (mamba_block_size = block_size with prefix caching on CPU)
 BASELINES = ["uniform", "balanced", "sqrt", "dyadic"]

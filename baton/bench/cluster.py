@@ -3,6 +3,7 @@
 Used by benchmarks so they measure the real path (Ray CLI, Serve config file, HTTP proxy)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from typing import Any
 
 import httpx
 import yaml
+
 from baton.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -45,7 +47,8 @@ class LocalServeApp:
     """Context manager: `ray start` a head with the given resources, `serve run` a config whose
     application args are `args`, wait for /health, and tear everything down on exit."""
 
-    def __init__(self, args: dict[str, Any], *, resources: dict[str, float], num_cpus: int = 2, http_port: int = 28000, ray_port: int = 26390, log_dir: Path | None = None, start_timeout_s: float = 600,
+    def __init__(self, args: dict[str, Any], *, resources: dict[str, float], num_cpus: int = 2, http_port: int = 28000, ray_port: int = 26390,
+                 log_dir: Path | None = None, start_timeout_s: float = 600,
                  env: dict[str, str] | None = None, metrics_export_port: int | None = None):
         """env: extra variables for `ray start` and `serve run` (e.g. the API keys named by
         ingress.api_keys_env); metrics_export_port: Ray's Prometheus export port (None: Ray's default)."""
@@ -55,7 +58,8 @@ class LocalServeApp:
         self._log_dir = (log_dir or Path(tempfile.mkdtemp(prefix="baton-serve-"))).resolve()
         self._serve: subprocess.Popen | None = None
         self._metrics_port = metrics_export_port
-        self._env = {**os.environ, **(env or {}), "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": f"127.0.0.1:{ray_port}", "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ.get('PATH', '')}"}
+        self._env = {**os.environ, **(env or {}), "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": f"127.0.0.1:{ray_port}",
+                     "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ.get('PATH', '')}"}
 
     def __enter__(self) -> RunningApp:
         self._log_dir.mkdir(parents=True, exist_ok=True)
@@ -68,7 +72,8 @@ class LocalServeApp:
         cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
         subprocess.run(["ray", "stop", "--force"], env=self._env, capture_output=True, check=False)
         subprocess.run(
-            ["ray", "start", "--head", f"--port={self._ray_port}", f"--num-cpus={self._num_cpus}", f"--resources={__import__('json').dumps(self._resources)}", "--include-dashboard=false", "--disable-usage-stats"]
+            ["ray", "start", "--head", f"--port={self._ray_port}", f"--num-cpus={self._num_cpus}", f"--resources={json.dumps(self._resources)}",
+             "--include-dashboard=false", "--disable-usage-stats"]
             + ([f"--metrics-export-port={self._metrics_port}"] if self._metrics_port else []),
             env=self._env, capture_output=True, check=True,
         )

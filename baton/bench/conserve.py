@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from baton.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -50,7 +51,8 @@ def build_trace(w: Workload) -> list[Any]:
     from baton.traces.bfcl import BfclOptions, build_bfcl_trace
 
     return build_bfcl_trace(
-        BfclOptions(n=w.conversations, min_user_turns=w.user_turns, max_user_turns=w.user_turns, drop_response_schema=True, max_system_chars=w.max_system_chars, max_tokens=w.max_tokens)
+        BfclOptions(n=w.conversations, min_user_turns=w.user_turns, max_user_turns=w.user_turns, drop_response_schema=True,
+                    max_system_chars=w.max_system_chars, max_tokens=w.max_tokens)
     )
 
 

@@ -147,7 +147,7 @@ async def _fidelity(runner: Any, renderer: Any, cases: Sequence[_Case], kv_cases
             f1[m].append(_f1(renderer.decode(out) if hasattr(renderer, "decode") else "", c.answer))
     res: dict[str, Any] = {}
     for m in modes:
-        agree = sum(a == b for a, b in zip(preds[m], preds["prompt"])) / max(1, len(preds[m]))
+        agree = sum(a == b for a, b in zip(preds[m], preds["prompt"], strict=True)) / max(1, len(preds[m]))
         res[m] = {"top1_accuracy": sum(hits[m]) / max(1, len(hits[m])), "answer_f1": sum(f1[m]) / max(1, len(f1[m])),
                   "top1_agreement_with_prompt": agree, "positions": len(hits[m])}
     return res

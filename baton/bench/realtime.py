@@ -50,8 +50,8 @@ from baton.bench.collapse import (
     is_miss,
     summarize,
 )
-from router.cliff import OccupancyTracker, prediction_error
 from baton.paths import REPO_ROOT
+from router.cliff import OccupancyTracker, prediction_error
 
 ROOT = REPO_ROOT
 LOCOMO = ROOT.parent / "shared" / "data" / "locomo"
@@ -417,7 +417,8 @@ async def _aimd(runner: Any, wl: Workload, preamble: tuple[int, ...], chunks: li
     cpu_s = time.process_time() - phase.cpu0
     loads = [c["loadavg_1m"] for c in caps]
     return {"config": cfg.model_dump(), "cpu": {"cores_used": cpu_s / max(1e-9, phase.now()),
-                                                "loadavg_1m_mean": sum(loads) / max(1, len(loads))}, "sustainable_sessions": n_sust, "offered_sessions": offered,
+                                                "loadavg_1m_mean": sum(loads) / max(1, len(loads))},
+                "sustainable_sessions": n_sust, "offered_sessions": offered,
             "refusals": refusals, "admitted_sessions": len(phase.ledgers), "steady_from_s": steady_from,
             "steady_ticks": len(steady), "steady_p99_s": _finite(p99),
             "steady_p99_replied_s": _p99([t.latency_s for t in steady if t.latency_s is not None]),
@@ -563,7 +564,7 @@ def _plot(modes: dict[str, Any], aimd: dict[str, Any], wl: Workload, out_dir: Pa
     plt.close(fig)
 
     fig, axes = plt.subplots(1, len(modes), figsize=(11, 4), sharey=True)
-    for ax, (m, r) in zip(axes, modes.items()):
+    for ax, (m, r) in zip(axes, modes.items(), strict=True):
         occ = r["occupancy"]
         ax.plot([p["t"] for p in occ], [p["rho"] for p in occ], label="ρ")
         ax.plot([p["t"] for p in occ], [p["live"] / wl.sessions for p in occ], alpha=0.5, label=f"live / {wl.sessions}")

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from baton.bench.reliability_client import (
@@ -144,7 +145,7 @@ def pinned_decoder_killed(c: Client, cl: Cluster) -> CaseResult:
         conv.turn(f"Turn {t}: and what should I pack?")
     after = conv.replicas[2:]
     moved = bool(killed) and all(r is not None and r != victim for r in after) and len(set(after)) == 1
-    grew = all(b > a for a, b in zip(conv.prompt_tokens[2:], conv.prompt_tokens[3:])) and conv.prompt_tokens[2] > conv.prompt_tokens[0]
+    grew = all(b > a for a, b in pairwise(conv.prompt_tokens[2:])) and conv.prompt_tokens[2] > conv.prompt_tokens[0]
     healed = wait_whole(c, cl, gone={victim} if victim else set())
     detail = (f"killed {victim} at turn 1's first token; turns 2-4 on {sorted(set(after))}; prompt tokens per turn {conv.prompt_tokens}; "
               f"answers {dict(c.tally.classes)}; pool whole again after {healed:.0f}s")

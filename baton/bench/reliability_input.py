@@ -212,7 +212,7 @@ def memories_isolated(c: Client, alice: str, bob: str) -> CaseResult:
 
     bob_does("list", "GET", "/v1/memories")
     bob_does("list as alice", "GET", "/v1/memories", params={"user": "alice"})
-    for i, fid in enumerate(ids[:1]):
+    for fid in ids[:1]:
         bob_does("get", "GET", f"/v1/memories/{fid}")
         bob_does("delete", "DELETE", f"/v1/memories/{fid}")
         bob_does("recall ids", "POST", "/v1/chat/completions", json_body=chat_body([{"role": "user", "content": "What is my locker code?"}],
@@ -255,7 +255,8 @@ def conversation_isolated(c: Client, alice: str, bob: str) -> CaseResult:
 def keys_required(c: Client, bob: str) -> CaseResult:
     t0 = time.monotonic()
     got: dict[str, Any] = {}
-    for name, method, path, kw in (("models", "GET", "/v1/models", {}), ("chat", "POST", "/v1/chat/completions", {"json_body": chat_body([{"role": "user", "content": "hi"}])}),
+    for name, method, path, kw in (("models", "GET", "/v1/models", {}),
+                                   ("chat", "POST", "/v1/chat/completions", {"json_body": chat_body([{"role": "user", "content": "hi"}])}),
                                    ("completions", "POST", "/v1/completions", {"json_body": {"prompt": "hi", "max_tokens": 2}}),
                                    ("memories", "GET", "/v1/memories", {}), ("stats", "GET", "/baton/stats", {})):
         for label, key in (("no key", None), ("wrong key", "not-a-key")):

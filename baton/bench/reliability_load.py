@@ -18,7 +18,6 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 from baton.bench.cluster import replica_rss_bytes
 from baton.bench.reliability_client import (

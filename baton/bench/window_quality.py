@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
 from baton.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -375,12 +376,12 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     judged: dict[str, list[float]] = {c.name: [] for c in configs}
     prompts = [p for p in (_gen_prompt(tok, c, work.prompt_tokens) for c in GEN_CONVS) if p][: work.prompts]
     for p in prompts:
-        for c, g in zip(configs, _generate(model, configs, p, work.gen_tokens)):
+        for c, g in zip(configs, _generate(model, configs, p, work.gen_tokens), strict=True):
             gens[c.name].append(g)
             judged[c.name].append(_judged_ppl(model, p, g))
     distinct = {k: sum(distinct_n(g) for g in v) / len(v) for k, v in gens.items()}
     gen_ppl = {k: math.exp(sum(math.log(x) for x in v) / len(v)) for k, v in judged.items()}
-    same_as_full = {k: sum(g == f for g, f in zip(v, gens["full"])) for k, v in gens.items()}
+    same_as_full = {k: sum(g == f for g, f in zip(v, gens["full"], strict=True)) for k, v in gens.items()}
     t_all = time.perf_counter() - t0
     print(f"[window-quality] generation: {len(prompts)} prompts of ~{work.prompt_tokens} tokens, "
           f"{work.gen_tokens} greedy tokens each ({REPLY} per tick); done at {t_all:.0f}s")

@@ -115,9 +115,10 @@ class EngineRunner:
         or why not). Only capture requests carry one, and they never leave this process."""
         rid = req.request_id
         stream = self._streams.register(rid)
-        segments = self._segments() if injection or capture else None
+        segments: SegmentTable | None = None
         ended = False  # the engine is done with the request: finished, failed, or stopped
         try:
+            segments = self._segments() if injection or capture else None
             kv_params = req.kv_transfer_params
             if segments is not None:
                 kv_params = {**(kv_params or {}), **_segment_params(segments, rid, injection, capture)}
@@ -135,9 +136,9 @@ class EngineRunner:
                     return
                 yield item
         finally:
-            if not ended:  # left early: the engine thread aborts it, then discards its key
-                ended = not self._streams.unless_stopped(lambda: self._commands.put(_Abort(rid, stream, segments)))
-            if ended and segments is not None:
+            # left early: the engine thread aborts it, then discards its key (unless it has stopped)
+            handed_over = not ended and self._streams.unless_stopped(lambda: self._commands.put(_Abort(rid, stream, segments)))
+            if not handed_over and segments is not None:
                 segments.discard(rid)
 
     async def capture(self, request_id: str, prompt_token_ids: tuple[int, ...], ranges: tuple[tuple[int, int], ...],

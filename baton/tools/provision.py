@@ -163,7 +163,11 @@ def build_smollm2(out: Path) -> dict[str, Any]:
     """
     import torch
     from transformers import (
-        AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig,
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        GenerationConfig,
+        GgufConfig,
     )
 
     gguf = smollm2_gguf_path()  # first: a missing package fails before any work

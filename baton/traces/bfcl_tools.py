@@ -24,8 +24,9 @@ import io
 import json
 import os
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 BACKEND = "bfcl_eval.eval_checker.multi_turn_eval.func_source_code"
 # class name -> module of the multi-turn categories; all are in-memory simulations

@@ -75,7 +75,7 @@ def _dialog_chunks(sample: dict[str, Any], opts: LocomoOptions) -> list[tuple[bo
             continue
         pending.append(header)
         session_start = True
-        for entry, line in zip(sample[f"session_{k}"], lines):
+        for entry, line in zip(sample[f"session_{k}"], lines, strict=True):
             pending.append(line)
             if entry["speaker"] == speaker_a:
                 chunks.append((session_start, "\n".join(pending)))

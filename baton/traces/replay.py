@@ -102,7 +102,7 @@ async def send_turn(client: httpx.AsyncClient, target: _Target, conv: Conversati
             _stream_turn(client, target, request_body(conv, turn, messages, target.model),
                          conv.conversation_id, acc),
             timeout=target.timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         acc.error = f"timeout after {target.timeout_s:g}s"
     except Exception as e:  # noqa: BLE001 - a failed turn is recorded, never raised
         acc.error = f"{type(e).__name__}: {e}"
@@ -163,7 +163,7 @@ async def replay(conversations: list[Conversation], url: str, concurrency: int,
         raise ValueError("concurrency must be >= 1")
     url = url.rstrip("/")
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    started_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(transport=transport, timeout=timeout_s, limits=limits) as client:
         model = model or await fetch_model(client, url, headers)

@@ -12,8 +12,8 @@ import random
 import pytest
 
 from baton.bench.checkpoint_engine import TINY_HYBRID, run_engine
-from baton.engine.checkpoints.config import CheckpointConfig
 from baton.bench.checkpoint_sim import simulate
+from baton.engine.checkpoints.config import CheckpointConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -52,7 +52,7 @@ def test_outputs_exact_and_hits_follow_the_plan(reference: dict, strategy: str) 
     sim = simulate(CheckpointConfig(**ckpt(strategy)), B, ps)
     hits = [r["cached"] for r in res["rows"]]
     assert hits == [r.hit for r in sim.requests], f"engine hits {hits} vs planned {[r.hit for r in sim.requests]}"
-    assert all(h <= r.match for h, r in zip(hits, sim.requests))
+    assert all(h <= r.match for h, r in zip(hits, sim.requests, strict=True))
     m = res["metrics"]
     assert m["match_tokens"] == sim.match_tokens and m["recomputed_tokens"] == sim.recomputed_tokens
     assert m["checkpoints_held"] == sim.states_held

@@ -63,7 +63,7 @@ def test_one_handoff_per_conversation_and_pinned_decoders(url: str) -> None:
     before = settled_transfers(url)
     sids = [f"pin-{i}" for i in range(6)]
     with ThreadPoolExecutor(len(sids)) as pool:
-        results = dict(zip(sids, pool.map(lambda s: converse(url, s), sids)))
+        results = dict(zip(sids, pool.map(lambda s: converse(url, s), sids), strict=True))
     after = settled_transfers(url)
     assert after - before == len(sids), "exactly one NIXL transfer per conversation (counted by the connectors)"
     for sid, turns in results.items():
@@ -77,9 +77,9 @@ def test_one_handoff_per_conversation_and_pinned_decoders(url: str) -> None:
 def test_greedy_output_is_the_same_with_remote_or_local_prefill(url: str) -> None:
     from ray import serve
 
+    from baton.engine.types import GenerationRequest, SamplingSpec
     from deployments.chat import PromptRenderer
     from deployments.protocol import ChatMessage
-    from baton.engine.types import GenerationRequest, SamplingSpec
     from tests.e2e.conftest import MODEL_DIR
 
     ids = PromptRenderer.from_path(str(MODEL_DIR)).chat_tokens(
@@ -92,7 +92,8 @@ def test_greedy_output_is_the_same_with_remote_or_local_prefill(url: str) -> Non
     assert settled_transfers(url) - before == 1, "the HTTP request was prefilled remotely"
 
     decode = serve.get_deployment_handle("decode", "baton")
-    req = GenerationRequest(request_id="local-prefill-check", prompt_token_ids=tuple(ids), sampling=SamplingSpec(max_tokens=24, temperature=0.0, ignore_eos=True))
+    req = GenerationRequest(request_id="local-prefill-check", prompt_token_ids=tuple(ids),
+                            sampling=SamplingSpec(max_tokens=24, temperature=0.0, ignore_eos=True))
     local_text = "".join(d.text for d in decode.options(stream=True).generate.remote(req))
     assert remote_text == local_text
 

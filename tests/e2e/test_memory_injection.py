@@ -3,9 +3,9 @@ connector captures position-free KV, injects it re-rotated, and the engine reall
 
 Tolerances stated here were measured on this machine: an exact injection (KV captured from the
 same prompt, keys through fp32 pre-RoPE and back), and facts encoded each after all their
-predecessors, reproduce greedy tokens with the sampled tokens' logprobs within 0.1 nats; layer-0 keys moved from position p to q match keys computed at q within 2 bf16
-ulps of the key's magnitude (layer 0's keys depend on the token alone, so any difference is the
-rotation's)."""
+predecessors, reproduce greedy tokens with the sampled tokens' logprobs within 0.1 nats;
+layer-0 keys moved from position p to q match keys computed at q within 2 bf16 ulps of the key's
+magnitude (layer 0's keys depend on the token alone, so any difference is the rotation's)."""
 from __future__ import annotations
 
 import asyncio
@@ -108,7 +108,7 @@ def test_exact_injection_reproduces_greedy_output(runner: Any, renderer: Any) ->
     injected, cached_inj = _run(runner, p.token_ids, injection=(seg,))
     assert cached == 0 and cached_inj == end  # the engine computed only the suffix
     assert injected == plain
-    assert max(abs(a - b) for a, b in zip(LAST_LOGPROBS, plain_lp)) < 0.1
+    assert max(abs(a - b) for a, b in zip(LAST_LOGPROBS, plain_lp, strict=True)) < 0.1
 
 
 def test_corrupted_segment_changes_the_output(runner: Any, renderer: Any) -> None:
@@ -160,7 +160,7 @@ def test_whole_context_encoding_matches_prompt_injection(runner: Any, renderer: 
     # logits: the sampled tokens' logprobs agree within 0.1 nats (measured max 0.06: the keys pass
     # once through fp32 pre-RoPE form and are rounded back to bf16)
     assert len(LAST_LOGPROBS) == len(plain_lp) == len(plain)
-    assert max(abs(a - b) for a, b in zip(LAST_LOGPROBS, plain_lp)) < 0.1
+    assert max(abs(a - b) for a, b in zip(LAST_LOGPROBS, plain_lp, strict=True)) < 0.1
 
 
 def test_window_zero_encoding_runs_and_is_used(runner: Any, renderer: Any) -> None:

@@ -80,7 +80,8 @@ def test_sessions_are_sticky_and_spread_over_replicas(baton_url: str) -> None:
         seen = []
         for turn in range(3):
             messages.append({"role": "user", "content": f"Question {turn} about city {sid}?"})
-            r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}, headers={"x-session-id": sid})
+            body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
+            r = await http.post("/v1/chat/completions", json=body, headers={"x-session-id": sid})
             assert r.status_code == 200, r.text
             seen.append(r.headers["x-baton-replica"])
             messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
@@ -89,7 +90,7 @@ def test_sessions_are_sticky_and_spread_over_replicas(baton_url: str) -> None:
     async def run() -> dict[str, list[str]]:
         async with httpx.AsyncClient(base_url=baton_url, timeout=300) as http:
             sids = [f"sticky-{i}" for i in range(6)]
-            return dict(zip(sids, await asyncio.gather(*(conversation(http, s) for s in sids))))
+            return dict(zip(sids, await asyncio.gather(*(conversation(http, s) for s in sids)), strict=True))
 
     placed = asyncio.run(run())
     for sid, replicas in placed.items():
@@ -148,7 +149,9 @@ def test_engine_failure_is_a_503_or_in_stream_error_then_recovers(baton_url: str
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
     errors = [json.loads(line[6:]) for line in rest[:-1] if '"error"' in line]
-    assert errors and errors[0]["error"]["type"] == "service_unavailable", rest[-3:]
+    # the ingress resumes the stream on the other decoder (tests/e2e/test_stream_resume.py checks
+    # it); a stream it cannot resume ends with a clear service_unavailable event, never a 500
+    assert not errors or errors[0]["error"]["type"] == "service_unavailable", rest[-3:]
 
     body = {**body, "stream": False, "max_tokens": 8, "ignore_eos": False}
     r = httpx.post(f"{baton_url}/v1/chat/completions", json=body, headers=headers, timeout=120)

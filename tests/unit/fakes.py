@@ -163,7 +163,7 @@ class FakeResponseStream:
         self._i = 0
         self.cancelled = 0
 
-    def __aiter__(self) -> "FakeResponseStream":
+    def __aiter__(self) -> FakeResponseStream:
         return self
 
     async def __anext__(self) -> GenerationDelta:
@@ -194,7 +194,7 @@ class FakePoolHandle:
         self.streams: list[FakeResponseStream] = []
         self.generate = self
 
-    def options(self, **kw: Any) -> "FakePoolHandle":
+    def options(self, **kw: Any) -> FakePoolHandle:
         self.options_calls.append(kw)
         return self
 
@@ -214,12 +214,13 @@ class FakePoolHandle:
 
 
 class _RemoteMethod:
-    def __init__(self, directory: "FakeDirectory", name: str):
+    def __init__(self, directory: FakeDirectory, name: str):
         self._directory, self._name = directory, name
 
-    def remote(self, *args: Any) -> Awaitable[Any]:
+    def remote(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
         self._directory.calls.append((self._name, args))
-        return self._directory._answer(self._name, args)
+        self._directory.kwargs.append((self._name, kwargs))
+        return self._directory._answer(self._name, args, kwargs)
 
 
 class FakeDirectory:
@@ -246,6 +247,7 @@ class FakeDirectory:
         self.errors = dict(errors or {})
         self.hang = set(hang)
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.kwargs: list[tuple[str, dict[str, Any]]] = []  # keyword arguments of each call, in the same order
 
     def __getattr__(self, name: str) -> _RemoteMethod:
         if name.startswith("_"):
@@ -255,7 +257,7 @@ class FakeDirectory:
     def called(self, method: str) -> list[tuple[Any, ...]]:
         return [args for name, args in self.calls if name == method]
 
-    async def _answer(self, name: str, args: tuple[Any, ...]) -> Any:
+    async def _answer(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
         if name in self.hang:
             await asyncio.Event().wait()
         if name in self.errors:
@@ -263,7 +265,8 @@ class FakeDirectory:
         if self.state is not None:  # as router/directory.py calls it: with the clock where it takes one
             method = getattr(self.state, name)
             takes_now = "now" in inspect.signature(method).parameters
-            return method(*args, self._clock()) if takes_now else method(*args)
+            kw = kwargs or {}
+            return method(*args, self._clock(), **kw) if takes_now else method(*args, **kw)
         if name == "route":
             n = len(self.called("route"))
             assert self._plans, "FakeDirectory has no plan to answer route()"
@@ -275,7 +278,7 @@ class FakeDirectory:
 
 
 class _StoreMethod:
-    def __init__(self, handle: "FakeMemoryStoreHandle", name: str):
+    def __init__(self, handle: FakeMemoryStoreHandle, name: str):
         self._handle, self._name = handle, name
 
     def remote(self, *args: Any) -> Awaitable[Any]:

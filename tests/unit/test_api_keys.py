@@ -18,7 +18,8 @@ CHAT = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2}
 
 def client(keys: dict[str, str | None]) -> tuple[TestClient, FakeBackend]:
     backend = FakeBackend()
-    frontend = OpenAIFrontend(model_id="m", renderer=PromptRenderer(FakeTokenizer()), backend=backend, max_model_len=64, default_max_tokens=4, metrics=RecordingMetrics())
+    frontend = OpenAIFrontend(model_id="m", renderer=PromptRenderer(FakeTokenizer()), backend=backend, max_model_len=64, default_max_tokens=4,
+                              metrics=RecordingMetrics())
 
     async def health() -> dict[str, Any]:
         return {"status": "ok"}

@@ -254,6 +254,15 @@ def test_routing_disaggregated_property() -> None:
     }
 
 
+def test_the_ownership_file_is_durable_by_default_and_resolved_from_the_repo_root(tmp_path: Path) -> None:
+    r = load_app_config(minimal_args()).routing
+    assert r.ownership_db_path == ".cache/baton/conversations.sqlite3"
+    assert r.resolved_ownership_db_path(tmp_path) == str(tmp_path / ".cache/baton/conversations.sqlite3")
+    assert RoutingConfig(ownership_db_path="/srv/own.db").resolved_ownership_db_path(tmp_path) == "/srv/own.db"
+    assert RoutingConfig(ownership_db_path=":memory:").resolved_ownership_db_path(tmp_path) == ":memory:"
+    assert "routing.ownership_db_path:" in config_error(minimal_args(routing={"ownership_db_path": ""}))
+
+
 # ---- defaults ------------------------------------------------------------------------------------
 
 

@@ -228,7 +228,7 @@ def test_chat_with_memories_in_kv_mode(api: Api) -> None:
     inj = req.memory
     assert inj is not None and inj.user == "alice" and inj.model == "m" and inj.window == 1
     assert [f.fact_id for f in inj.facts] == [ids[0], ids[2]]  # top 2, in (source, seq) order
-    for f, text in zip(inj.facts, (ALICE_FACTS[0], ALICE_FACTS[2])):
+    for f, text in zip(inj.facts, (ALICE_FACTS[0], ALICE_FACTS[2]), strict=True):
         assert prompt[f.start : f.start + len(f.token_ids)] == api.line_ids(text) == f.token_ids
     assert inj.facts[1].context_fact_ids == (ids[1],)  # w = 1: "Alice moved to Lyon" precedes it
     inj.check_integrity(len(prompt))

@@ -48,7 +48,7 @@ def test_facts_sit_back_to_back_right_after_the_anchor() -> None:
     assert ids[inj.anchor_len - 1] == w("user:")
     assert w("terse.") in ids[: inj.anchor_len]
     pos = inj.anchor_len
-    for placed, f in zip(inj.facts, FACTS):
+    for placed, f in zip(inj.facts, FACTS, strict=True):
         assert placed.fact_id == f.fact_id
         assert placed.start == pos
         assert placed.token_ids == tuple(R.text_tokens(fact_line(f.text)))

@@ -8,21 +8,21 @@ from __future__ import annotations
 import asyncio
 import json
 import warnings
-from types import SimpleNamespace
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
+from fakes import FakeBackend, FakeDirectory, FakeTokenizer
 from fastapi.testclient import TestClient
 
+from baton.engine.types import EngineRequestError, EngineUnavailable, SamplingSpec
 from deployments.chat import PromptRenderer
 from deployments.frontend import OpenAIFrontend
 from deployments.metrics import RecordingMetrics
 from deployments.openai_api import build_openai_app
 from deployments.protocol import ChatCompletionRequest
-from baton.engine.types import EngineRequestError, EngineUnavailable, SamplingSpec
-from fakes import FakeBackend, FakeDirectory, FakeTokenizer
 from router.directory_state import DirectorySettings, DirectoryState
 from router.report import ReplicaReport
 
@@ -584,7 +584,8 @@ def test_unexpected_backend_exception_is_counted_as_500() -> None:
 def test_client_leaving_mid_stream_closes_the_engine_request() -> None:
     backend = FakeBackend(tokens=[f"t{i}" for i in range(10)])
     metrics = RecordingMetrics()
-    frontend = OpenAIFrontend(model_id="m", renderer=PromptRenderer(FakeTokenizer()), backend=backend, max_model_len=MAX_MODEL_LEN, default_max_tokens=DEFAULT_MAX_TOKENS, metrics=metrics)
+    frontend = OpenAIFrontend(model_id="m", renderer=PromptRenderer(FakeTokenizer()), backend=backend, max_model_len=MAX_MODEL_LEN,
+                              default_max_tokens=DEFAULT_MAX_TOKENS, metrics=metrics)
 
     async def leave_after_two_events() -> list[str]:
         prepared = frontend.prepare_chat(ChatCompletionRequest(messages=HELLO, stream=True), "s")

@@ -220,6 +220,7 @@ def test_the_directory_pins_the_session_to_a_replica() -> None:
     assert decode.opens[0].target_replica == "replica-3"
     (route_args,) = directory.called("route")
     assert route_args[0] == decode.opens[0].session_id and route_args[2] == len(decode.opens[0].preamble_ids)
+    assert directory.kwargs[0] == ("route", {"owned": False})  # a server-made id: never in the ownership store
     assert_all_released(rt, decode)
 
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+from itertools import pairwise
 
 import httpx
 import pytest
@@ -137,7 +138,7 @@ def test_concurrency_respected():
     # turns of one conversation never overlap
     for cid in {r.conversation_id for r in result.turns}:
         rs = [r for r in result.turns if r.conversation_id == cid]
-        assert all(a.send_time_s + a.e2e_s <= b.send_time_s for a, b in zip(rs, rs[1:]))
+        assert all(a.send_time_s + a.e2e_s <= b.send_time_s for a, b in pairwise(rs))
     _run(server := FakeOpenAI(delay_s=0.002), convs, concurrency=1)
     assert server.max_in_flight == 1
 

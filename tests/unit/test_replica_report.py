@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from baton.engine.types import EngineStats
-from deployments.replica_report import replica_report
+from deployments.replica_report import HeldConversations, replica_report
 from kv_transfer.ledger import TransferTotals
 from router.directory_state import DirectorySettings, DirectoryState
-from router.report import ReplicaReport
+from router.report import MAX_REPORTED_CONVERSATIONS, ReplicaReport
 
 STATS = EngineStats(kv_usage=0.25, kv_resident=0.5, kv_capacity_tokens=4096, num_running=2, num_waiting=3,
                     pending_prefill_tokens=700, in_flight=5, healthy=True, reason="", steps=99)
@@ -52,8 +52,13 @@ def test_a_report_is_immutable_and_survives_pickling() -> None:
         ({"kv_bytes_received": -5}, "kv_bytes_received"),
         ({"extra": (("a", 1.0), ("a", 2.0))}, "repeat"),
         ({"extra": (("kv_usage", 1.0),)}, "repeat"),
+        ({"conversations": (("a", 1.0), ("a", 2.0))}, "distinct"),
+        ({"conversations": (("", 1.0),)}, "non-empty"),
+        ({"conversations": (("a", -1.0),)}, "idle"),
+        ({"conversations": tuple((f"s{i}", 0.0) for i in range(MAX_REPORTED_CONVERSATIONS + 1))}, "at most"),
     ],
-    ids=["pool", "kv_usage", "in_flight", "bytes", "duplicate-extra", "extra-shadows-field"],
+    ids=["pool", "kv_usage", "in_flight", "bytes", "duplicate-extra", "extra-shadows-field", "duplicate-conversation",
+         "empty-session", "negative-idle", "too-many-conversations"],
 )
 def test_invalid_reports_are_refused_by_name(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -70,3 +75,15 @@ def test_the_directory_stores_the_report_and_shows_its_figures() -> None:
     plan = state.route("s", None, 100, 2.0)
     assert plan.decode_replica == "d0"
     state.check_integrity()
+
+
+def test_a_decoder_reports_the_conversations_it_served_lately_most_recent_first() -> None:
+    held = HeldConversations(capacity=3)
+    for sid, at in (("a", 1.0), ("b", 2.0), (None, 2.5), ("c", 3.0), ("a", 4.0), ("d", 5.0)):
+        held.served(sid, at)  # None: a request outside any conversation
+    assert len(held) == 3  # b fell out: the least recently served
+    report = replica_report("d0", "decode", STATS, TRANSFERS, conversations=held.recent(6.0))
+    assert report.conversations == (("d", 1.0), ("a", 2.0), ("c", 3.0))
+    assert "conversations" not in report.figures()  # not a figure: Serve's routing stats stay numbers
+    with pytest.raises(ValueError):
+        HeldConversations(capacity=MAX_REPORTED_CONVERSATIONS + 1)

@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("bfcl_eval", reason="bfcl_eval (pip install --no-deps bfcl-eval) is not installed")
 
-from baton.traces.bfcl import BfclOptions, build_bfcl_trace  # noqa: E402
-from baton.traces.bfcl_tools import ToolSession, parse_call  # noqa: E402
+from baton.traces.bfcl import BfclOptions, build_bfcl_trace
+from baton.traces.bfcl_tools import ToolSession, parse_call
 
 SMALL = BfclOptions(n=2, max_user_turns=2)
 

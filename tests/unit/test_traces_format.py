@@ -1,7 +1,6 @@
 """Trace format: round trip, and errors that name the line and the field."""
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -44,7 +44,8 @@ SCHEDULER_CLS = "baton.engine.checkpoints.scheduler.CheckpointScheduler"
 HOOKED: dict[tuple[type, str], tuple[str, ...]] = {
     (Scheduler, "_get_local_prefix_cache_hit"): ("self", "request"),
     (Scheduler, "_mamba_block_aligned_split"): ("self", "request", "num_new_tokens", "num_new_local_computed_tokens", "num_external_computed_tokens"),
-    (MambaManager, "reachable_block_mask"): ("start_block", "end_block", "alignment_tokens", "kv_cache_spec", "use_eagle", "retention_interval", "reachable_boundaries", "dcp_world_size", "final_segment_end_block"),
+    (MambaManager, "reachable_block_mask"): ("start_block", "end_block", "alignment_tokens", "kv_cache_spec", "use_eagle", "retention_interval",
+                                             "reachable_boundaries", "dcp_world_size", "final_segment_end_block"),
     (MambaManager, "cache_blocks"): ("self", "request", "num_tokens", "retention_interval", "replay_boundaries"),
     (MambaManager, "_cache_partial_tail_block"): ("self", "request", "num_tokens", "retention_interval"),
 }
@@ -165,7 +166,8 @@ class CheckpointScheduler(Scheduler):
         return blocks, num_local, 0, diverged
 
     # ---- what is computed
-    def _mamba_block_aligned_split(self, request: Any, num_new_tokens: int, num_new_local_computed_tokens: int = 0, num_external_computed_tokens: int = 0) -> int:
+    def _mamba_block_aligned_split(self, request: Any, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
+                                   num_external_computed_tokens: int = 0) -> int:
         n = super()._mamba_block_aligned_split(request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens)
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
         stop = self.plan_for(request).next_after(start)
