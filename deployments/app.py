@@ -15,6 +15,7 @@ from ray.serve.config import RequestRouterConfig
 
 from baton.engine.args import EngineSpec, build_engine_spec, resolve_model_path
 from deployments.config import AppConfig, ConfigError, PoolConfig, load_app_config
+from deployments.exposure import bind_refusal, serve_http_host
 from deployments.ingress import Ingress, IngressSettings
 from deployments.pool import EngineReplicaDeployment
 from kv_transfer.config import PoolRole
@@ -82,6 +83,9 @@ def pool_options(name: str, pool: PoolConfig, spec: EngineSpec, cfg: AppConfig) 
 
 def build_app(args: dict[str, Any] | AppConfig) -> Application:
     cfg = load_app_config(args)
+    refusal = bind_refusal(serve_http_host(), cfg)  # safe by default off loopback (deployments/exposure.py)
+    if refusal is not None:
+        raise refusal
     cache = project_path(cfg.model_cache)
     try:
         model_path = resolve_model_path(cfg.decode.engine.model, cache)
@@ -130,8 +134,11 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         disaggregated=r.disaggregated,
         api_keys_env=cfg.ingress.api_keys_env,
         max_inflight_requests=cfg.ingress.max_inflight_requests,
+        admission=cfg.ingress.admission,
         memory=cfg.memory,
         realtime=cfg.realtime,
+        input_limits=cfg.ingress.input_limits(),
+        prefix_cache=cfg.isolation.prefix_cache,
     )
     return Ingress.options(
         num_replicas=cfg.ingress.num_replicas,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
@@ -69,13 +69,18 @@ class PoolBackend:
     (remote prefill and all). A decoder lost after deltas reached the client: the stream is
     resumed on another decoder (deployments/resume.py), at most once, prefilled on that decoder;
     `resumes` counts how that went (deployments.metrics.ResumeMetrics). A stream the client
-    left is never resumed: closing it cancels the engine request and ends here."""
+    left is never resumed: closing it cancels the engine request and ends here.
 
-    def __init__(self, decode: Any, prefill: Any | None = None, directory: Any | None = None, resumes: ResumeMetrics | None = None):
+    load_hint: given each plan's `pool_queueing` (the directory's view of the decoders' queues,
+    router/policy.TurnPlan), for the ingress's adaptive admission; no extra directory call."""
+
+    def __init__(self, decode: Any, prefill: Any | None = None, directory: Any | None = None, resumes: ResumeMetrics | None = None,
+                 load_hint: Callable[[bool], None] | None = None):
         self._decode = decode
         self._prefill = prefill
         self._directory = directory
         self._resumes = resumes
+        self._load_hint = load_hint
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         delivered: list[int] = []  # token ids the client has, in order
@@ -186,6 +191,8 @@ class PoolBackend:
                 ) from None
             logger.warning("conversation directory could not place %s (%s); placing by load", request.request_id, type(e).__name__)
             return Placement.by_load()
+        if self._load_hint is not None:
+            self._load_hint(plan.pool_queueing)
         return Placement.of(plan, prefill_pool=self._prefill is not None, in_conversation=bool(request.session_id))
 
     async def _remote_prefill(self, request: GenerationRequest) -> dict[str, Any] | None:

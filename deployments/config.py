@@ -11,8 +11,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from baton.engine.config import EngineConfig
+from deployments.input_limits import DEFAULT_MAX_BODY_BYTES, InputLimits
+from deployments.salt import PrefixCacheScope
 from memory_store.config import MemoryConfig
 from router.admission import AdmissionConfig
+from router.chat_admission import ChatAdmissionConfig
 from router.policy import DISAGGREGATED, Policy
 
 
@@ -70,12 +73,39 @@ class IngressConfig(_Strict):
     max_ongoing_requests: int = Field(256, ge=1)
     max_inflight_requests: int = Field(
         128, ge=1, description="generation requests one ingress replica serves at once; beyond: 429 with Retry-After")
+    admission: ChatAdmissionConfig = Field(
+        default_factory=ChatAdmissionConfig, description="fixed: max_inflight_requests alone; adaptive: a limit under it held to "
+        "a time-to-first-token target (router/chat_admission.py)")
+    max_body_bytes: int = Field(
+        DEFAULT_MAX_BODY_BYTES, ge=1024, description="largest request body; beyond: 413 request_too_large, refused from its "
+        "Content-Length before it is read (a chunked body is read only up to the limit)")
+    max_messages: int = Field(1024, ge=1, description="messages per chat request; beyond: 400 too_many_messages")
+    max_prompt_chars: int | None = Field(
+        None, ge=1, description="characters of a prompt (chat messages, or a text completion prompt), counted before "
+        "tokenization; beyond: 400 context_length_exceeded. Default: 32 × the context length")
+    render_threads: int = Field(2, ge=1, le=64, description="threads that template and tokenize prompts, off the event loop")
     api_keys_env: str | None = Field(
         None,
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-        description="name of an environment variable (set where Ray runs) holding comma-separated API keys; when set, "
-        "/v1/* and /baton/* need 'Authorization: Bearer <key>'. Keys never go in the YAML.",
+        description="name of an environment variable (set where Ray runs) holding comma-separated API keys, `key` "
+        "(operator: any user, /baton/*) or `key=user` (acts only as that user); when set, every path but /health "
+        "needs 'Authorization: Bearer <key>'. Keys never go in the YAML.",
     )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="serve without API keys although http_options.host is not loopback (deployments/exposure.py); "
+        "without it such a config refuses to start",
+    )
+
+    def input_limits(self) -> InputLimits:
+        return InputLimits(max_body_bytes=self.max_body_bytes, max_messages=self.max_messages,
+                           max_prompt_chars=self.max_prompt_chars, render_threads=self.render_threads)
+
+    @model_validator(mode="after")
+    def _admission_under_cap(self) -> IngressConfig:
+        if self.admission.min_limit > self.max_inflight_requests:
+            raise ValueError(f"admission.min_limit ({self.admission.min_limit}) must be <= max_inflight_requests ({self.max_inflight_requests})")
+        return self
 
 
 class RoutingConfig(_Strict):
@@ -121,7 +151,27 @@ class RealtimeConfig(_Strict):
     tick_ms: int = Field(1000, ge=10, le=60_000, description="default tick period")
     max_input_chars: int = Field(4000, ge=1, description="longest input chunk accepted per tick")
     idle_timeout_s: float = Field(300.0, gt=0, description="a session that sends nothing this long is closed")
+    max_frame_bytes: int = Field(64 * 1024, ge=1024, description="largest client frame; beyond: an error frame and close 1009")
+    max_sessions_per_user: int = Field(4, ge=1, description="live sessions one user may hold at one ingress; beyond: refused (1008)")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="AIMD cap on live sessions per ingress")
+
+    @model_validator(mode="after")
+    def _frames_fit_inputs(self) -> RealtimeConfig:
+        if self.max_frame_bytes < 4 * self.max_input_chars + 256:
+            raise ValueError("max_frame_bytes must hold an input of max_input_chars (4 bytes a character, 256 for the rest)")
+        return self
+
+
+class IsolationConfig(_Strict):
+    """What tenants share (deployments/salt.py)."""
+
+    prefix_cache: PrefixCacheScope = Field(
+        "tenant",
+        description="tenant: every request's prefix-cache salt names its tenant (the API key's user, else `user`; callers "
+        "with neither share one anonymous tenant), so no request hits KV computed for another tenant and "
+        "usage.cached_tokens reveals nothing across tenants; shared: no tenant salt, trades isolation for cross-user "
+        "system-prompt reuse (memory facts stay salted per user either way)",
+    )
 
 
 class AppConfig(_Strict):
@@ -133,6 +183,7 @@ class AppConfig(_Strict):
     decode: PoolConfig = Field(..., description="decode pool (KV consumers; the unified pool when not disaggregated)")
     memory: MemoryConfig | None = Field(None, description="per-user memory facts (InferScale); none: /v1/memories is off")
     realtime: RealtimeConfig | None = Field(None, description="real-time tick sessions (Metronome); none: /v1/realtime is off")
+    isolation: IsolationConfig = Field(default_factory=IsolationConfig, description="what tenants share (prefix cache)")
 
     @model_validator(mode="after")
     def _consistent(self) -> AppConfig:

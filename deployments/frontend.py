@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from baton.engine.types import ConversationNotFound, EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
 from deployments.chat import PromptRenderer
 from deployments.errors import APIError, bad_request, conversation_not_found, unavailable
-from deployments.inflight import InflightLimit, Ticket
+from deployments.inflight import InflightLimit, Ticket, status_of
 from deployments.metrics import IngressMetrics
 from deployments.protocol import (
     ChatCompletionRequest,
@@ -28,6 +28,7 @@ from deployments.protocol import (
     completion_response,
     usage,
 )
+from deployments.salt import PrefixCacheScope, tenant_salt
 from memory_store.layout import MemoryPrompt
 
 logger = logging.getLogger("baton.api")
@@ -73,8 +74,10 @@ class OpenAIFrontend:
         default_max_tokens: int,
         metrics: IngressMetrics,
         admission: InflightLimit | None = None,
+        prefix_cache: PrefixCacheScope = "tenant",
     ):
-        """admission: bounds the generation requests in flight (default: unbounded)."""
+        """admission: bounds the generation requests in flight (default: unbounded).
+        prefix_cache: which requests may share prefix-cache KV (deployments/salt.py)."""
         self.model_id = model_id
         self._renderer = renderer
         self._backend = backend
@@ -82,10 +85,15 @@ class OpenAIFrontend:
         self._default_max_tokens = default_max_tokens
         self._metrics = metrics
         self._admission = admission if admission is not None else InflightLimit()
+        self._prefix_cache = prefix_cache
 
     def record_rejected(self, endpoint: str, status: int) -> None:
         """Count a request refused before generation (bad input, unknown model, too long)."""
         self._metrics.request_done(endpoint, status)
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "owned_by": "baton", "max_model_len": self._max_model_len}]}
@@ -93,13 +101,19 @@ class OpenAIFrontend:
     # ---- validation ------------------------------------------------------------------------
     def prepare_chat(self, body: ChatCompletionRequest, session_id: str | None, memory: MemoryPrompt | None = None) -> Prepared:
         """memory: the prompt with the user's recalled facts (deployments/memory_api.py), whose
-        token ids replace the plain rendering; in KV mode it carries what the engine injects."""
+        token ids replace the plain rendering; in KV mode it carries what the engine injects.
+        The user's facts are in the prompt either way: it is salted by user in every scope."""
         self._check_common(body, with_memory=memory is not None)
         ids = list(memory.token_ids) if memory is not None else self._renderer.chat_tokens(body.messages)
         p = self._prepared("chat", body, ids, body.requested_max_tokens(), session_id)
-        if memory is None or memory.injection is None:
+        if memory is None:
             return p
-        req = replace(p.request, memory=memory.injection, cache_salt=memory.cache_salt, user=memory.injection.user)
+        if memory.injection is None:
+            salt = tenant_salt(self._prefix_cache, p.request.user, private=True)
+            return replace(p, request=replace(p.request, cache_salt=salt))
+        user = memory.injection.user
+        salt = tenant_salt(self._prefix_cache, user, memory.cache_salt, private=True)
+        req = replace(p.request, memory=memory.injection, cache_salt=salt, user=user)
         return replace(p, request=req)
 
     def prepare_completion(self, body: CompletionRequest, session_id: str | None) -> Prepared:
@@ -151,7 +165,7 @@ class OpenAIFrontend:
         )
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         req = GenerationRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_token_ids=tuple(ids), sampling=sampling,
-                                session_id=session_id, user=body.user)
+                                session_id=session_id, user=body.user, cache_salt=tenant_salt(self._prefix_cache, body.user))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Prepared(endpoint=endpoint, request=req, model=self.model_id, stream=body.stream, include_usage=include_usage)
 
@@ -167,12 +181,12 @@ class OpenAIFrontend:
 
     async def complete(self, p: Prepared) -> Reply:
         """Non-streaming: the whole reply as one JSON body (raises APIError on failure)."""
-        with self._admit(p):
-            return await self._complete(p)
+        with self._admit(p) as ticket:
+            return await self._complete(p, ticket)
 
-    async def _complete(self, p: Prepared) -> Reply:
+    async def _complete(self, p: Prepared, ticket: Ticket | None = None) -> Reply:
         t0 = time.monotonic()
-        acc = _Accumulator(self._metrics, p.endpoint, t0)
+        acc = _Accumulator(self._metrics, p.endpoint, t0, ticket)
         try:
             async for d in self._deltas(p):
                 acc.add(d)
@@ -194,8 +208,8 @@ class OpenAIFrontend:
         ticket = self._admit(p)
         try:
             reply = await self._open_stream(p, ticket)
-        except BaseException:
-            ticket.release()
+        except BaseException as e:
+            ticket.release(status_of(e))
             raise
         if reply.events is not None:  # a stream the server never starts still gives its slot back
             weakref.finalize(reply.events, ticket.release)
@@ -203,7 +217,7 @@ class OpenAIFrontend:
 
     async def _open_stream(self, p: Prepared, ticket: Ticket) -> Reply:
         t0 = time.monotonic()
-        acc = _Accumulator(self._metrics, p.endpoint, t0)
+        acc = _Accumulator(self._metrics, p.endpoint, t0, ticket)
         deltas = self._deltas(p)
         try:
             first = await deltas.__anext__()
@@ -252,7 +266,7 @@ class OpenAIFrontend:
             yield sse(APIError(500, f"internal error ({type(e).__name__})", type="server_error", code="internal_error").body())
             yield sse("[DONE]")
         finally:
-            ticket.release()
+            ticket.release(status)
             await rest.aclose()  # type: ignore[attr-defined]  # aborts the engine request if unfinished
             self._metrics.request_done(p.endpoint, status)
 
@@ -281,10 +295,12 @@ async def _chain(first: list[GenerationDelta], rest: AsyncIterator[GenerationDel
 
 
 class _Accumulator:
-    """Usage and latency of one request, built from its deltas."""
+    """Usage and latency of one request, built from its deltas; the first token is reported to
+    the request's admission ticket (its TTFT sample, deployments/inflight.py)."""
 
-    def __init__(self, metrics: IngressMetrics, endpoint: str, t0: float):
+    def __init__(self, metrics: IngressMetrics, endpoint: str, t0: float, ticket: Ticket | None = None):
         self._metrics, self._endpoint, self._t0 = metrics, endpoint, t0
+        self._ticket = ticket
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.texts: list[str] = []
@@ -299,6 +315,8 @@ class _Accumulator:
         if d.token_ids and self._t_first is None:
             self._t_first = time.monotonic()
             self._metrics.ttft(self._endpoint, self._t_first - self._t0, self._turn)
+            if self._ticket is not None:
+                self._ticket.first_token()
         self.prompt_tokens = max(self.prompt_tokens, d.prompt_tokens)
         self.cached_tokens = max(self.cached_tokens, d.cached_tokens)
         self.completion_tokens += len(d.token_ids)

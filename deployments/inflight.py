@@ -6,66 +6,183 @@ rather than queue without bound (the engines' own queues are bounded by Serve). 
 the request — completion, an error, the client going away mid-stream, a stream the server never
 starts — calls `Ticket.release()`; it gives the slot back exactly once, however many paths call it.
 
-Nothing else changes the count: the limit can become adaptive (e.g. to a latency target) behind
-this one object without touching the frontend.
+The limit is the hard cap (`ingress.max_inflight_requests`) in `fixed` mode; in `adaptive` mode
+(`ingress.admission`) it is a router.chat_admission.ChatLimiter's limit, held to a TTFT target
+under the same cap. Tickets carry the latency signal: `first_token()` reports the request's TTFT;
+a ticket still without a first token when it is `ttft_target_s` old is reported as a miss right
+away (checked whenever a request arrives or reports); one released without a first token reports
+what `released_sample` makes of its status. Each ticket reports at most once; refused requests
+never report. The frontend only acquires tickets and hands them over.
 """
 from __future__ import annotations
 
+import asyncio
+import math
+import time
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 from deployments.errors import overloaded
+from deployments.metrics import AdmissionMetrics
+from router.chat_admission import ChatAdmissionConfig, ChatLimiter, released_sample
 
 UNBOUNDED = 1 << 30
 
 
+def status_of(exc: BaseException | None) -> int:
+    """The HTTP status a request ended with: 200 without an exception, an APIError's own status,
+    499 when the task was cancelled (the client went away), 500 otherwise."""
+    if exc is None:
+        return 200
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return 499
+    status = getattr(exc, "status", None)
+    return status if isinstance(status, int) else 500
+
+
 class Ticket:
-    """One admitted request's slot; `release()` is idempotent. Also a context manager."""
+    """One admitted request's slot; `release()` is idempotent. Also a context manager (the status
+    it releases with comes from the exception that left the block, if any)."""
 
-    __slots__ = ("_limit", "_released")
+    __slots__ = ("_limit", "_released", "_reported", "started")
 
-    def __init__(self, limit: InflightLimit):
+    def __init__(self, limit: InflightLimit, started: float):
         self._limit = limit
         self._released = False
+        self._reported = False
+        self.started = started
 
     @property
     def released(self) -> bool:
         return self._released
 
-    def release(self) -> None:
+    @property
+    def reported(self) -> bool:
+        """Whether this request's TTFT sample (or miss) has been given to the limit."""
+        return self._reported
+
+    def first_token(self) -> None:
+        """The first generated token reached the ingress: report the TTFT (once)."""
+        self._limit._first_token(self)
+
+    def release(self, status: int | None = None) -> None:
+        """Give the slot back (once). status: how the request ended (None: unknown — a stream
+        that was never started, i.e. the client went away)."""
         if not self._released:
             self._released = True
-            self._limit._give_back()
+            self._limit._give_back(self, status)
 
     def __enter__(self) -> Ticket:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.release()
+        self.release(status_of(exc))
 
 
 class InflightLimit:
-    """At most `limit` requests admitted and not yet released."""
+    """At most `limit` requests admitted and not yet released (`limit` <= `cap`, the hard cap)."""
 
-    def __init__(self, limit: int = UNBOUNDED):
+    def __init__(self, limit: int = UNBOUNDED, admission: ChatAdmissionConfig | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, metrics: AdmissionMetrics | None = None):
         if limit < 1:
             raise ValueError(f"the in-flight limit must be at least 1, not {limit}")
-        self._limit = limit
+        self._cap = limit
+        self._clock = clock
+        self._metrics = metrics
         self._inflight = 0
+        self._pool_queueing = False
+        self._pending: dict[Ticket, float] = {}  # admitted, not yet reported; in admission order
+        self.totals = {"admitted": 0, "refused": 0, "samples": 0, "overdue": 0}
+        adaptive = admission is not None and admission.mode == "adaptive"
+        self._ctl = ChatLimiter(admission, limit, clock()) if adaptive and admission is not None else None
+        self.mode = "adaptive" if self._ctl is not None else "fixed"
+        if metrics is not None:
+            metrics.admission_limit(self.limit)
 
     @property
     def limit(self) -> int:
-        return self._limit
+        return self._ctl.limit if self._ctl is not None else self._cap
+
+    @property
+    def cap(self) -> int:
+        return self._cap
 
     @property
     def inflight(self) -> int:
         return self._inflight
 
+    def note_pool_queueing(self, queueing: bool) -> None:
+        """The directory's latest view: every live decoder reports waiting requests (TurnPlan)."""
+        self._pool_queueing = queueing
+
     def acquire(self) -> Ticket:
         """A ticket for one request, or APIError 429 `overloaded` (Retry-After: 1) when full."""
-        if self._inflight >= self._limit:
-            raise overloaded(f"{self._inflight} requests in flight at this ingress (limit {self._limit}); retry shortly")
+        now = self._clock()
+        if self._ctl is not None:
+            self._control(now)
+            room = self._ctl.admit(self._inflight)
+        else:
+            room = self._inflight < self._cap
+        if not room:
+            self._count("refused")
+            raise overloaded(f"{self._inflight} requests in flight at this ingress (limit {self.limit}); retry shortly")
+        self._count("admitted")
         self._inflight += 1
-        return Ticket(self)
+        ticket = Ticket(self, now)
+        if self._ctl is not None:
+            self._pending[ticket] = now
+        return ticket
 
-    def _give_back(self) -> None:  # only Ticket.release calls this, once per ticket
+    def snapshot(self) -> dict[str, Any]:
+        """For /baton/stats: mode, current limit, hard cap, in flight, and the counts so far."""
+        return {"mode": self.mode, "limit": self.limit, "cap": self._cap, "inflight": self._inflight,
+                "pool_queueing": self._pool_queueing, **self.totals}
+
+    # ---- the tickets' side (only Ticket calls these) --------------------------------------------
+
+    def _first_token(self, ticket: Ticket) -> None:
+        if self._ctl is not None and self._pending.pop(ticket, None) is not None:
+            now = self._clock()
+            self._report(ticket, now - ticket.started, now)
+            self._control(now)
+
+    def _give_back(self, ticket: Ticket, status: int | None) -> None:  # once per ticket
         self._inflight -= 1
+        if self._ctl is not None and self._pending.pop(ticket, None) is not None:
+            now = self._clock()
+            sample = released_sample(now - ticket.started, status, self._ctl.config.ttft_target_s)
+            if sample is not None:
+                self._report(ticket, sample, now)
+            else:
+                ticket._reported = True
+            self._control(now)
+
+    # ---- control -------------------------------------------------------------------------------
+
+    def _report(self, ticket: Ticket, sample: float, now: float) -> None:
+        assert self._ctl is not None
+        ticket._reported = True
+        self.totals["samples"] += 1
+        self._ctl.observe(sample, now)
+
+    def _control(self, now: float) -> None:
+        """Overdue tickets become misses, then the control law runs (it acts once per period)."""
+        assert self._ctl is not None
+        cutoff = now - self._ctl.config.ttft_target_s
+        while self._pending:
+            ticket, started = next(iter(self._pending.items()))
+            if started >= cutoff:
+                break
+            del self._pending[ticket]
+            self.totals["overdue"] += 1
+            self._report(ticket, math.inf, now)
+        before = self._ctl.limit
+        self._ctl.update(now, self._inflight, self._pool_queueing)
+        if self._metrics is not None and self._ctl.limit != before:
+            self._metrics.admission_limit(self._ctl.limit)
+
+    def _count(self, outcome: str) -> None:
+        self.totals[outcome] += 1
+        if self._metrics is not None:
+            self._metrics.admission(outcome)

@@ -13,11 +13,14 @@ from deployments.chat import PromptRenderer
 from deployments.config import RealtimeConfig
 from deployments.frontend import OpenAIFrontend
 from deployments.inflight import InflightLimit
+from deployments.input_limits import InputLimits
 from deployments.memory_api import MemoryFrontend
 from deployments.metrics import ServeIngressMetrics
 from deployments.openai_api import api_keys_from_env, build_openai_app
 from deployments.realtime_api import RealtimeFrontend, ServeRealtimeMetrics
+from deployments.salt import PrefixCacheScope
 from memory_store.config import MemoryConfig
+from router.chat_admission import ChatAdmissionConfig
 
 
 @dataclass(frozen=True)
@@ -29,8 +32,11 @@ class IngressSettings:
     disaggregated: bool  # the policy prefills on the prefill pool
     api_keys_env: str | None = None  # environment variable with the API keys (None: no auth)
     max_inflight_requests: int = 128  # generation requests at once; beyond: 429
+    admission: ChatAdmissionConfig = ChatAdmissionConfig()  # fixed, or adaptive to a TTFT target under the cap above
     memory: MemoryConfig | None = None  # the memory store's settings (None: no memories)
     realtime: RealtimeConfig | None = None  # real-time sessions (None: no /v1/realtime)
+    input_limits: InputLimits = InputLimits()  # request bounds (body bytes, messages, prompt characters)
+    prefix_cache: PrefixCacheScope = "tenant"  # which requests may share prefix-cache KV (deployments/salt.py)
 
 
 @serve.deployment(name="ingress")
@@ -48,14 +54,17 @@ class Ingress:
         if settings.realtime is not None:
             self._realtime = RealtimeFrontend(settings.realtime, decode, directory, renderer, ServeRealtimeMetrics())
         self._metrics = ServeIngressMetrics()
+        self._admission = InflightLimit(settings.max_inflight_requests, settings.admission, metrics=self._metrics)
         self._frontend = OpenAIFrontend(
             model_id=settings.model_id,
             renderer=renderer,
-            backend=PoolBackend(decode, prefill if settings.disaggregated else None, directory, resumes=self._metrics),
+            backend=PoolBackend(decode, prefill if settings.disaggregated else None, directory, resumes=self._metrics,
+                                load_hint=self._admission.note_pool_queueing),
             max_model_len=settings.max_model_len,
             default_max_tokens=settings.default_max_tokens,
             metrics=self._metrics,
-            admission=InflightLimit(settings.max_inflight_requests),
+            admission=self._admission,
+            prefix_cache=settings.prefix_cache,
         )
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -64,15 +73,17 @@ class Ingress:
         except Exception:  # noqa: BLE001 - outside Serve
             ingress_id = None
         return build_openai_app(self._frontend, self._health, self._public_stats, ingress_id, self._api_keys, self._memory, self._realtime,
-                                end_conversation=self._end_conversation)
+                                end_conversation=self._end_conversation, limits=self._settings.input_limits)
 
     async def _stats(self) -> dict[str, Any]:
         return await asyncio.wait_for(self._directory.snapshot.remote(), timeout=5.0)
 
     async def _public_stats(self) -> dict[str, Any]:
         """GET /baton/stats: the directory's snapshot, and the streams this ingress replica resumed
-        (by outcome; each ingress replica counts its own, deployments/resume.py)."""
-        return {**await self._stats(), "ingress": {"stream_resumes": dict(self._metrics.resume_totals)}}
+        (by outcome; each ingress replica counts its own, deployments/resume.py), and this
+        replica's chat admission (mode, current limit, counts; deployments/inflight.py)."""
+        return {**await self._stats(), "ingress": {"stream_resumes": dict(self._metrics.resume_totals),
+                                                   "admission": self._admission.snapshot()}}
 
     async def _end_conversation(self, session_id: str, user: str | None) -> bool:
         """DELETE /v1/conversations/{id}: the directory checks the owner, drops the pin and the ownership."""

@@ -5,9 +5,9 @@ and renders recalled facts into the prompt (memory_store/layout.py). Errors of t
 OpenAI-style errors: bad input 400, a fact that is not the caller's 404 (the same answer as for
 an id that does not exist, so nothing leaks), the store unreachable 503.
 
-Who the user is: the caller names it (`user` in the body, or the x-baton-user header); when API
-keys are bound to users (ingress.api_keys_env entries `key=user`) the key decides, and naming
-another user is refused with 403.
+Who the user is: the caller names it (`user` in the body, the x-baton-user header or `?user=`);
+when API keys are bound to users (ingress.api_keys_env entries `key=user`) the key decides, and
+naming another user anywhere is refused with 403. Operator keys (bound to no user) may name any.
 """
 from __future__ import annotations
 
@@ -19,31 +19,38 @@ from deployments.chat import PromptRenderer, template_messages
 from deployments.errors import APIError, bad_request, unavailable
 from deployments.protocol import AddMemoriesRequest, ChatCompletionRequest
 from memory_store.config import MemoryConfig
-from memory_store.errors import FactNotFound, InvalidInput
+from memory_store.errors import FactNotFound, IdempotencyKeyReused, InvalidInput
+from memory_store.idempotency import validate_key
 from memory_store.ingest import conversation_facts
 from memory_store.layout import RESERVED_MARK, MemoryPrompt, RecalledFact, memory_prompt
 
 logger = logging.getLogger("baton.api")
 
 USER_HEADER = "x-baton-user"
+IDEMPOTENCY_HEADER = "idempotency-key"
 STORE_TIMEOUT_S = 10.0
 
 
-def resolve_user(bound: str | None, claimed: str | None, *, required: bool) -> str | None:
-    """The request's user: the API key's user when keys are bound to users, else the claim."""
+def resolve_user(bound: str | None, *claims: str | None, required: bool) -> str | None:
+    """The request's user. A key bound to a user decides, and every claim (body `user`, the
+    x-baton-user header, `?user=`) must name that user (403 otherwise); with an operator key or
+    no keys, the first non-empty claim, in that order."""
+    named = [c for c in claims if c]
     if bound is not None:
-        if claimed is not None and claimed != bound:
+        if any(c != bound for c in named):
             raise APIError(403, "the API key belongs to another user", param="user", code="user_mismatch")
         return bound
-    if required and not claimed:
+    if required and not named:
         raise bad_request("memories need a user: send `user` in the body or the x-baton-user header", param="user", code="user_required")
-    return claimed
+    return named[0] if named else None
 
 
 def store_error(e: BaseException) -> APIError:
     cause = getattr(e, "cause", None) or e  # RayTaskError carries the actor's exception as .cause
     if isinstance(cause, FactNotFound):
         return APIError(404, f"memory not found: {', '.join(cause.ids[:5])}", param="ids", code="memory_not_found")
+    if isinstance(cause, IdempotencyKeyReused):
+        return APIError(422, str(cause), param="Idempotency-Key", code="idempotency_key_reused")
     if isinstance(cause, InvalidInput):
         return bad_request(str(cause), code="invalid_memory")
     if isinstance(cause, APIError):
@@ -70,7 +77,16 @@ class MemoryFrontend:
             raise store_error(e) from None
 
     # ---- /v1/memories ------------------------------------------------------------------------
-    async def add(self, user: str, body: AddMemoriesRequest, session_id: str | None) -> dict[str, Any]:
+    async def add(self, user: str, body: AddMemoriesRequest, session_id: str | None,
+                  idempotency_key: str | None = None) -> dict[str, Any]:
+        """Add facts. With an Idempotency-Key (per user, remembered memory.idempotency_ttl_h), a
+        retry of the same request answers the same facts and adds nothing; the key with another
+        request is 422 idempotency_key_reused (memory_store/idempotency.py)."""
+        if idempotency_key is not None:
+            try:
+                validate_key(idempotency_key)
+            except InvalidInput as e:
+                raise bad_request(str(e), param="Idempotency-Key", code="invalid_idempotency_key") from None
         if body.facts is not None:
             texts, source = body.facts, body.source or "api"
         else:
@@ -78,8 +94,8 @@ class MemoryFrontend:
             source = body.source or session_id or "api"
             if not texts:
                 raise bad_request("the messages hold no user or assistant turns", param="messages")
-        facts = await self._call("add", user, texts, source)
-        if self._cfg.mode == "kv" and self._encoder is not None:
+        facts = await self._call("add", user, texts, source, idempotency_key)
+        if facts and self._cfg.mode == "kv" and self._encoder is not None:
             self._precompute(user, facts)
         return {"object": "list", "data": [f.as_json() for f in facts]}
 
@@ -116,8 +132,9 @@ class MemoryFrontend:
             raise bad_request("message content contains a reserved control sequence", param="messages")
         recall = await self._call("recall", user, query, k, window, tuple(opt.ids or ()))
         try:
-            return memory_prompt(self._renderer, messages, recall.facts,
-                                 user=user, model=self._model, window=window, inject=mode == "kv")
+            # templating and tokenizing a long conversation: off the event loop (deployments/offload.py)
+            return await asyncio.to_thread(memory_prompt, self._renderer, messages, recall.facts, user=user, model=self._model,
+                                           window=window, inject=mode == "kv", deletions=recall.deletions)
         except ValueError as e:  # the client's messages cannot be laid out with memories: 400, not 500
             raise bad_request(str(e), param="messages") from None
 
@@ -128,14 +145,14 @@ class MemoryFrontend:
 
         async def run() -> None:
             try:
-                window = self._cfg.context_window
+                window, mark = self._cfg.context_window, ("", 0)
                 if window:
                     recall = await self._call("recall", user, "", 1, window, tuple(f.id for f in facts))
-                    recalled_ctx = list(recall.facts)
+                    recalled_ctx, mark = list(recall.facts), recall.deletions
                 else:
                     recalled_ctx = recalled
                 p = memory_prompt(self._renderer, [{"role": "user", "content": ""}], recalled_ctx,
-                                  user=user, model=self._model, window=window, inject=True)
+                                  user=user, model=self._model, window=window, inject=True, deletions=mark)
                 if p.injection is not None:
                     await self._encoder.encode_memories.remote(p.token_ids, p.injection)
             except Exception as e:  # noqa: BLE001 - best effort

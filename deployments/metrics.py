@@ -35,9 +35,19 @@ class ResumeMetrics(Protocol):
     def stream_resume(self, outcome: str) -> None: ...
 
 
+class AdmissionMetrics(Protocol):
+    """Chat admission at one ingress (deployments/inflight.py): each request admitted or refused
+    (outcome: admitted | refused), and the in-flight limit whenever it changes."""
+
+    def admission(self, outcome: str) -> None: ...
+    def admission_limit(self, limit: int) -> None: ...
+
+
 class RecordingMetrics:
     def __init__(self) -> None:
         self.requests: dict[tuple[str, int], int] = defaultdict(int)
+        self.admissions: dict[str, int] = defaultdict(int)
+        self.admission_limits: list[int] = []
         self.ttfts: list[float] = []
         self.ttft_turns: list[int | None] = []
         self.tpots: list[float] = []
@@ -62,6 +72,12 @@ class RecordingMetrics:
     def stream_resume(self, outcome: str) -> None:
         self.resume_totals[outcome] += 1
 
+    def admission(self, outcome: str) -> None:
+        self.admissions[outcome] += 1
+
+    def admission_limit(self, limit: int) -> None:
+        self.admission_limits.append(limit)
+
 
 class ServeIngressMetrics:
     def __init__(self) -> None:
@@ -81,6 +97,9 @@ class ServeIngressMetrics:
             "baton_stream_resumes", "streams whose decoder died mid-stream, by outcome (resumed, finished, refused, failed)",
             tag_keys=("outcome",),
         )
+        self._admissions = metrics.Counter("baton_admission_requests", "generation requests admitted or refused (429) by this ingress, by outcome",
+                                           tag_keys=("outcome",))
+        self._admission_limit = metrics.Gauge("baton_admission_limit", "this ingress's current in-flight limit (fixed: the hard cap)")
         self.resume_totals: dict[str, int] = defaultdict(int)  # this ingress replica's, for /baton/stats
 
     def request_done(self, endpoint: str, status: int) -> None:
@@ -104,6 +123,12 @@ class ServeIngressMetrics:
     def stream_resume(self, outcome: str) -> None:
         self._resumes.inc(1, tags={"outcome": outcome})
         self.resume_totals[outcome] += 1
+
+    def admission(self, outcome: str) -> None:
+        self._admissions.inc(1, tags={"outcome": outcome})
+
+    def admission_limit(self, limit: int) -> None:
+        self._admission_limit.set(float(limit))
 
 
 # ---- engine replica: segment connector (kv_transfer/segment_stats.py) ------------------------------

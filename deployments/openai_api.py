@@ -7,24 +7,28 @@ the user is named as for /v1/memories (API key, `x-baton-user` header or `user` 
 parameter; none for a conversation opened without a user)."""
 from __future__ import annotations
 
-import hmac
-import json
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
+from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deployments.api_keys import access_refusal, authenticate, authorized
+from deployments.api_keys import api_keys_from_env as api_keys_from_env  # re-exported: the ingress imports it from here
 from deployments.errors import APIError, bad_request, conversation_not_found, unavailable
 from deployments.frontend import OpenAIFrontend, Prepared
-from deployments.memory_api import USER_HEADER, MemoryFrontend, resolve_user
+from deployments.input_limits import InputLimits, check_input
+from deployments.memory_api import IDEMPOTENCY_HEADER, USER_HEADER, MemoryFrontend, resolve_user
+from deployments.offload import Offload
 from deployments.protocol import SESSION_ID_MAX, AddMemoriesRequest, ChatCompletionRequest, CompletionRequest
 from deployments.realtime_api import CLOSE_POLICY, RealtimeFrontend
+from deployments.request_body import parse_body
 
 logger = logging.getLogger("baton.api")
 
@@ -51,56 +55,8 @@ def session_id_of(request: Request, body_session: str | None) -> str | None:
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad_request("request body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
-        raise bad_request(f"{where}: {err['msg']}{more}", param=where or None, code="invalid_value") from None
-
-
-def api_keys_from_env(name: str | None, environ: Mapping[str, str]) -> dict[str, str | None]:
-    """The configured API keys, comma-separated in the named variable: `key` (any user) or
-    `key=user` (the key acts as that user: its memories, nobody else's). Empty when auth is off.
-    A named but missing or empty variable is a configuration error, not an open server."""
-    if name is None:
-        return {}
-    keys: dict[str, str | None] = {}
-    for entry in (e.strip() for e in environ.get(name, "").split(",")):
-        if entry:
-            key, _, user = entry.partition("=")
-            keys[key.strip()] = user.strip() or None
-    if not keys:
-        raise ValueError(f"ingress.api_keys_env names {name!r}, but that environment variable holds no keys")
-    return keys
-
-
-class Caller(NamedTuple):
-    """Who sent a request: whether its key is valid, and the user that key is bound to (or None)."""
-
-    authorized: bool
-    user: str | None
-
-
-def authenticate(header: str | None, keys: Mapping[str, str | None]) -> Caller:
-    """Constant-time comparison of the bearer key against every configured key."""
-    if not header or not header.startswith("Bearer "):
-        return Caller(False, None)
-    given = header[len("Bearer ") :].strip().encode()
-    match = [k for k in keys if hmac.compare_digest(given, k.encode())]
-    return Caller(True, keys[match[0]]) if match else Caller(False, None)
-
-
-def authorized(header: str | None, keys: Mapping[str, str | None]) -> bool:
-    return authenticate(header, keys).authorized
+    """The JSON body as `model`, within this app's ingress.max_body_bytes (deployments/request_body.py)."""
+    return await parse_body(request, model, request.app.state.input_limits.max_body_bytes)
 
 
 def build_openai_app(
@@ -112,17 +68,21 @@ def build_openai_app(
     memory: MemoryFrontend | None = None,
     realtime: RealtimeFrontend | None = None,
     end_conversation: EndConversation | None = None,
+    limits: InputLimits | None = None,
 ) -> FastAPI:
+    """limits: the request bounds (deployments/input_limits.py; default: InputLimits())."""
     app = FastAPI(title="Baton", description="OpenAI-compatible conversation serving on Ray Serve", version="0.1.0")
+    app.state.input_limits = limits = limits or InputLimits()
+    render = Offload(limits.render_threads)  # templating and tokenization run here, off the event loop
 
     if api_keys:
 
         @app.middleware("http")
         async def _require_api_key(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
-            protected = request.url.path.startswith(("/v1/", "/baton/"))
             caller = authenticate(request.headers.get("authorization"), api_keys)
-            if protected and not caller.authorized:
-                return APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key").response()
+            refusal = access_refusal(_route_path(request), caller)
+            if refusal is not None:
+                return refusal.response()
             request.state.bound_user = caller.user
             return await call_next(request)
 
@@ -168,9 +128,10 @@ def build_openai_app(
             body = await _parse(request, model)
             bound = _bound_user(request)
             if bound is not None:  # an API key bound to a user speaks for that user only
-                resolve_user(bound, body.user, required=False)
+                resolve_user(bound, body.user, request.headers.get(USER_HEADER), required=False)
                 body = body.model_copy(update={"user": bound})
             sid = session_id_of(request, body.session_id)
+            check_input(body, limits, frontend.max_model_len)  # before any rendering
             prepared = await prepare(body, sid, request)
         except APIError as e:
             frontend.record_rejected(endpoint, e.status)
@@ -179,13 +140,15 @@ def build_openai_app(
 
     async def prepare_chat(body: ChatCompletionRequest, sid: str | None, request: Request) -> Prepared:
         if body.memories is None or memory is None:
-            return frontend.prepare_chat(body, sid)
-        user = resolve_user(_bound_user(request), body.user or request.headers.get(USER_HEADER), required=True)
+            return await render.run(frontend.prepare_chat, body, sid)
+        user = resolve_user(_bound_user(request), body.user, request.headers.get(USER_HEADER), required=True)
         assert user is not None
-        return frontend.prepare_chat(body, sid, await memory.chat_prompt(body, user))
+        # the memories' user is the request's (and its tenant's, deployments/salt.py) in both modes
+        recalled = await memory.chat_prompt(body, user)
+        return await render.run(frontend.prepare_chat, body.model_copy(update={"user": user}), sid, recalled)
 
     async def prepare_completion(body: CompletionRequest, sid: str | None, _: Request) -> Prepared:
-        return frontend.prepare_completion(body, sid)
+        return await render.run(frontend.prepare_completion, body, sid)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
@@ -205,7 +168,7 @@ def build_openai_app(
             if api_keys and not authorized(ws.headers.get("authorization"), api_keys):
                 await ws.close(CLOSE_POLICY, reason="invalid or missing API key")
                 return
-            await realtime.serve(ws)
+            await realtime.serve(ws, authenticate(ws.headers.get("authorization"), api_keys).user if api_keys else None)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -218,8 +181,14 @@ def _bound_user(request: Request) -> str | None:
     return getattr(request.state, "bound_user", None)
 
 
+def _route_path(request: Request) -> str:
+    """The path the router matches (url.path also holds a mount's root_path): the key rules must
+    judge exactly the path that picks the route."""
+    return get_route_path(request.scope) or "/"
+
+
 def _memory_user(request: Request, claimed: str | None = None) -> str:
-    user = resolve_user(_bound_user(request), claimed or request.headers.get(USER_HEADER) or request.query_params.get("user"), required=True)
+    user = resolve_user(_bound_user(request), claimed, request.headers.get(USER_HEADER), request.query_params.get("user"), required=True)
     assert user is not None
     return user
 
@@ -232,7 +201,7 @@ def _memory_routes(app: FastAPI, memory: MemoryFrontend) -> None:
     async def add_memories(request: Request) -> Any:
         body = await _parse(request, AddMemoriesRequest)
         sid = session_id_of(request, None)
-        return await memory.add(_memory_user(request, body.user), body, sid)
+        return await memory.add(_memory_user(request, body.user), body, sid, request.headers.get(IDEMPOTENCY_HEADER))
 
     @app.get("/v1/memories")
     async def list_memories(request: Request, limit: int = 100, offset: int = 0) -> Any:
@@ -259,8 +228,7 @@ def _conversation_routes(app: FastAPI, end_conversation: EndConversation) -> Non
     async def delete_conversation(request: Request, session_id: str) -> Any:
         if not _SESSION_RE.match(session_id):
             raise bad_request(f"session id must be 1-{SESSION_ID_MAX} characters of [A-Za-z0-9._:@/+=-]", param="session_id")
-        claimed = request.headers.get(USER_HEADER) or request.query_params.get("user")
-        user = resolve_user(_bound_user(request), claimed, required=False)
+        user = resolve_user(_bound_user(request), request.headers.get(USER_HEADER), request.query_params.get("user"), required=False)
         try:
             ended = await end_conversation(session_id, user)
         except Exception as e:  # noqa: BLE001 - the directory is down or slow: the client retries

@@ -123,7 +123,10 @@ class EngineReplica:
     async def record_routing_stats(self) -> dict[str, Any]:
         """Called by Serve every routing_stats_period_s; also pushes the same figures, and a
         decoder's recent conversations, to the conversation directory (fire and forget: a slow
-        directory never delays routing)."""
+        directory never delays routing). Also the memory purge tick: the resolver pulls the memory
+        store's deletion log in the background and drops deleted facts' KV from its cache."""
+        if self._resolver is not None:
+            self._resolver.sync_soon()
         stats = self._runner.stats
         ck = self._runner.checkpoint_metrics
         if ck is not None:
@@ -136,6 +139,8 @@ class EngineReplica:
         seg = segment_stats()
         self._segment_metrics.publish(seg)
         extra = seg.as_report()
+        if self._resolver is not None:  # KV of deleted memory facts dropped from this replica's cache
+            extra["memory_purged_segments"] = self._resolver.purged_segments
         if ck is not None:  # shown per replica in /baton/stats
             extra.update(checkpoints_held=ck.checkpoints_held, checkpoint_state_bytes=ck.state_bytes,
                          checkpoint_hit_tokens=ck.hit_tokens, checkpoint_recomputed_tokens=ck.recomputed_tokens)

@@ -8,6 +8,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SESSION_ID_MAX = 128
+STOP_MAX = 4  # stop sequences per request (OpenAI's limit)
+STOP_CHARS_MAX = 256  # characters per stop sequence
 
 
 class _Body(BaseModel):
@@ -101,10 +103,10 @@ class _Sampling(_Body):
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
         stops = [v] if isinstance(v, str) else (v or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty")
+        if len(stops) > STOP_MAX:
+            raise ValueError(f"at most {STOP_MAX} stop sequences")
+        if any(not s or len(s) > STOP_CHARS_MAX for s in stops):
+            raise ValueError(f"stop sequences must be 1-{STOP_CHARS_MAX} characters")
         return v
 
     def stop_list(self) -> tuple[str, ...]:

@@ -8,12 +8,18 @@ Protocol (JSON text frames):
   server → {"type": "output", "seq", "text", "server_ms", "prompt_tokens", "computed_tokens", "kv_tokens"}
   client → {"type": "session.end"}                             → server closes with 1000
 Errors are {"type": "error", "code", "message", "retry_after_s"?} frames; a frame that is not
-JSON text closes with 1007, a malformed one with 1008, a refused session (AIMD cap reached) with
+JSON text (or holds a lone UTF-16 surrogate) closes with 1007, a malformed one with 1008, one over
+`realtime.max_frame_bytes` with 1009, a refused session (AIMD cap reached) with
 1013 "try again later" after an error frame carrying retry_after_s, a dead engine with 1011.
 A client that sends nothing for `realtime.idle_timeout_s` (before session.start or between
 inputs; a slow engine does not count) gets an "idle_timeout" error frame and a close with 4408
 (application range, after HTTP 408 Request Timeout); its engine-side session is closed and its
 admission slot freed, as on every other ending.
+
+A user holds at most `realtime.max_sessions_per_user` live sessions at this ingress; one more is
+refused with a "too_many_sessions" error frame and 1008. The user is the API key's (keys bound
+to users), else the one the client names (session.start `user` or the x-baton-user header);
+sessions that name no user are bounded only by the AIMD cap.
 
 A session is pinned to one decode replica for its life (chosen by the conversation directory,
 like a conversation's first turn). Inputs are served in order: a tick that runs late delays the
@@ -25,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -37,11 +42,14 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from baton.engine.realtime.messages import RealtimeClose, RealtimeOpen, RealtimeTick
 from baton.engine.types import EngineRequestError
 from deployments.backend import translate_error
+from deployments.errors import APIError
+from deployments.memory_api import USER_HEADER, resolve_user
+from deployments.request_body import InvalidJSON, decode_json
 from router.admission import AIMDController
 
 logger = logging.getLogger("baton.realtime")
 
-CLOSE_NORMAL, CLOSE_BAD_DATA, CLOSE_POLICY, CLOSE_INTERNAL, CLOSE_TRY_LATER = 1000, 1007, 1008, 1011, 1013
+CLOSE_NORMAL, CLOSE_BAD_DATA, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_INTERNAL, CLOSE_TRY_LATER = 1000, 1007, 1008, 1009, 1011, 1013
 CLOSE_IDLE = 4408  # the client sent nothing for idle_timeout_s
 _BOUNDARIES_S = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]
 
@@ -91,17 +99,21 @@ class ServeRealtimeMetrics:
         self._refused.inc()
 
 
-def parse_frame(msg: dict[str, Any]) -> dict[str, Any]:
-    """A WebSocket receive() message → a JSON object, or FrameError (1007: not JSON text).
-    The client hanging up is WebSocketDisconnect (receive() returns it as a message), not a bad frame."""
+def parse_frame(msg: dict[str, Any], max_bytes: int | None = None) -> dict[str, Any]:
+    """A WebSocket receive() message → a JSON object, or FrameError (1009: over max_bytes; 1007:
+    not JSON text). The client hanging up is WebSocketDisconnect (receive() returns it as a
+    message), not a bad frame."""
     if msg.get("type") == "websocket.disconnect":
         raise WebSocketDisconnect(msg.get("code", 1000), msg.get("reason"))
     text = msg.get("text")
+    size = len(text.encode("utf-8", "surrogatepass")) if text is not None else len(msg.get("bytes") or b"")
+    if max_bytes is not None and size > max_bytes:
+        raise FrameError("frame_too_large", f"a frame is at most {max_bytes} bytes (this one: {size})", CLOSE_TOO_BIG)
     if text is None:
         raise FrameError("invalid_frame", "frames must be JSON text, not binary", CLOSE_BAD_DATA)
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
+        data = decode_json(text)
+    except InvalidJSON as e:
         raise FrameError("invalid_frame", f"frame is not valid JSON: {e}", CLOSE_BAD_DATA) from None
     if not isinstance(data, dict) or not isinstance(data.get("type"), str):
         raise FrameError("invalid_frame", "a frame is a JSON object with a string `type`")
@@ -124,22 +136,30 @@ class RealtimeFrontend:
         self._metrics = metrics
         self._ctl = AIMDController(cfg.admission, now=time.monotonic())
         self._live = 0
+        self._per_user: dict[str, int] = {}  # live sessions of each named user
 
     @property
     def controller(self) -> AIMDController:
         return self._ctl
 
-    async def serve(self, ws: WebSocket) -> None:
+    async def serve(self, ws: WebSocket, bound_user: str | None = None) -> None:
+        """bound_user: the user the client's API key is bound to (None: no key, or an operator key)."""
         await ws.accept()
         try:
             start = await self._receive(ws)
             if start["type"] != "session.start":
                 raise FrameError("invalid_frame", "the first frame must be session.start")
+            user = _session_user(bound_user, start.get("user"), ws.headers.get(USER_HEADER))
             open_msg, timing = self._open_message(start)
         except FrameError as e:
             await _fail(ws, e.code, str(e), e.close)
             return
         except WebSocketDisconnect:
+            return
+        held = self._per_user.get(user, 0) if user is not None else 0
+        if held >= self._cfg.max_sessions_per_user:
+            await _fail(ws, "too_many_sessions", f"this user already holds {held} live real-time sessions here, the most one user may "
+                        "(realtime.max_sessions_per_user)", CLOSE_POLICY)
             return
         admission = self._ctl.can_admit(self._live)
         if not admission.admitted:
@@ -148,6 +168,8 @@ class RealtimeFrontend:
             await _fail(ws, "session_limit", admission.describe(), CLOSE_TRY_LATER, retry_after_s=admission.retry_after_s)
             return
         self._live += 1
+        if user is not None:
+            self._per_user[user] = held + 1
         self._report()
         replica = None
         try:
@@ -167,6 +189,10 @@ class RealtimeFrontend:
             await _fail(ws, "engine_unavailable", f"the engine serving this session failed: {err}", CLOSE_INTERNAL)
         finally:
             self._live -= 1
+            if user is not None:
+                self._per_user[user] -= 1
+                if not self._per_user[user]:
+                    del self._per_user[user]
             self._report()
             if replica is not None:
                 self._decode.realtime_close.remote(RealtimeClose(open_msg.session_id, replica))
@@ -178,7 +204,7 @@ class RealtimeFrontend:
             msg = await asyncio.wait_for(ws.receive(), timeout_s)
         except TimeoutError:
             raise FrameError("idle_timeout", f"no frame from the client for {timeout_s:g} s; session closed", CLOSE_IDLE) from None
-        return parse_frame(msg)
+        return parse_frame(msg, self._cfg.max_frame_bytes)
 
     def _open_message(self, start: dict[str, Any]) -> tuple[RealtimeOpen, SessionTiming]:
         cfg = self._cfg
@@ -253,6 +279,17 @@ class RealtimeFrontend:
     def _report(self) -> None:
         if self._metrics:
             self._metrics.sessions(self._live, self._ctl.cap)
+
+
+def _session_user(bound: str | None, named: Any, header: str | None) -> str | None:
+    """Who holds a session: the API key's user, else the user the client names (FrameError on
+    a malformed name or a name that is not the key's)."""
+    if named is not None and (not isinstance(named, str) or not 1 <= len(named) <= 256):
+        raise FrameError("invalid_value", "`user` must be a string of 1-256 characters")
+    try:
+        return resolve_user(bound, named, header, required=False)
+    except APIError as e:
+        raise FrameError(e.code or "invalid_value", e.message) from None
 
 
 async def _fail(ws: WebSocket, code: str, message: str, close: int, retry_after_s: float | None = None) -> None:

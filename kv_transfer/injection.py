@@ -36,6 +36,9 @@ class MemoryInjection:
     facts: tuple[MemoryFact, ...]
     window: int
     model: str
+    # the memory store's deletion log (store id, epoch) when the facts were recalled: the engine
+    # replica purges its segment cache up to it before using that cache (memory_store/resolver.py)
+    deletions: tuple[str, int] = ("", 0)
 
     @property
     def end(self) -> int:

@@ -31,6 +31,8 @@ class MemoryConfig(BaseModel):
         "kv: inject encoded KV segments; prompt: paste the facts as text (baseline)."))
     max_fact_chars: int = Field(2000, ge=1, description="Longest fact text accepted.")
     max_facts_per_request: int = Field(256, ge=1, description="Most facts one add/get/delete call may carry.")
+    idempotency_ttl_h: float = Field(24.0, gt=0, description=(
+        "How long an Idempotency-Key of POST /v1/memories is remembered (a retry within it adds nothing)."))
 
     @model_validator(mode="after")
     def _k_bounds(self) -> MemoryConfig:

@@ -8,14 +8,14 @@ an id that never existed (FactNotFound).
 Within (user, source) facts are numbered by `seq`, 0, 1, 2, ... in the order they were added;
 `preceding(fact, w)` gives the w facts before it, the context its KV is encoded with.
 
-Schema (PRAGMA user_version = 1):
-    facts(id TEXT PK, user, source, seq, text, created_at REAL, embedding BLOB float32 LE)
-    UNIQUE(user, source, seq);  meta(key PK, value)  -- meta['dim'] = embedding width
+Beside the facts, in the same transactions: idempotency keys of adds (memory_store/idempotency.py)
+and the log of deleted ids that engine replicas purge their KV caches by (memory_store/deletions.py).
+
+Schema and migrations: memory_store/schema.py (facts, meta, idempotency_keys, deletions).
 """
 
 from __future__ import annotations
 
-import re
 import sqlite3
 import threading
 import time
@@ -28,34 +28,20 @@ from typing import Self
 
 import numpy as np
 
-from memory_store.errors import (
-    FactNotFound,
-    InvalidInput,
-    SchemaVersionError,
-    StoreCorrupted,
+from memory_store import deletions, idempotency
+from memory_store.deletions import DeletionFeed
+from memory_store.errors import FactNotFound, InvalidInput, StoreCorrupted
+from memory_store.schema import SCHEMA_VERSION, migrate  # noqa: F401 - callers know SCHEMA_VERSION here
+from memory_store.validation import (  # noqa: F401 - MAX_SOURCE_CHARS and USER_RE are known here
+    MAX_SOURCE_CHARS,
+    USER_RE,
+    validate_source,
+    validate_text,
+    validate_user,
 )
 
-SCHEMA_VERSION = 1
 DEFAULT_DIM = 384
-USER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@+\-]{0,127}")
-MAX_SOURCE_CHARS = 256
 _NORM_TOL = 1e-3
-
-_SCHEMA = """
-CREATE TABLE facts (
-    id TEXT PRIMARY KEY,
-    user TEXT NOT NULL,
-    source TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    text TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    embedding BLOB NOT NULL,
-    UNIQUE (user, source, seq)
-);
-CREATE INDEX facts_by_user ON facts (user, created_at);
-CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
-
 
 @dataclass(frozen=True)
 class Fact:
@@ -72,40 +58,18 @@ Facts = list[Fact]
 Ids = list[str]
 
 
-def validate_user(user: str) -> str:
-    if not isinstance(user, str) or not USER_RE.fullmatch(user):
-        raise InvalidInput("user must be 1-128 characters of [A-Za-z0-9_.:@+-], starting alphanumeric")
-    return user
-
-
-def validate_source(source: str) -> str:
-    if not isinstance(source, str) or not source.strip() or len(source) > MAX_SOURCE_CHARS:
-        raise InvalidInput(f"source must be a non-blank string of at most {MAX_SOURCE_CHARS} characters")
-    if any(ord(c) < 32 for c in source):
-        raise InvalidInput("source must not contain control characters")
-    return source
-
-
-def validate_text(text: str, max_chars: int) -> str:
-    if not isinstance(text, str) or not text.strip():
-        raise InvalidInput("fact text must be a non-blank string")
-    if len(text) > max_chars:
-        raise InvalidInput(f"fact text has {len(text)} characters; the limit is {max_chars}")
-    if "\x00" in text:
-        raise InvalidInput("fact text must not contain NUL characters")
-    return text
-
-
 class FactStore:
     def __init__(self, path: str | Path, *, dim: int = DEFAULT_DIM, max_fact_chars: int = 2000,
                  max_facts_per_request: int = 256, clock: Callable[[], float] = time.time,
-                 new_id: Callable[[], str] = lambda: uuid.uuid4().hex) -> None:
+                 new_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+                 idempotency_ttl_s: float = idempotency.DEFAULT_TTL_S) -> None:
         self.path = Path(path)
         self.dim = dim
         self.max_fact_chars = max_fact_chars
         self.max_facts_per_request = max_facts_per_request
         self._clock = clock
         self._new_id = new_id
+        self.idempotency_ttl_s = idempotency_ttl_s
         self._lock = threading.Lock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -121,21 +85,8 @@ class FactStore:
     # ---- lifecycle -------------------------------------------------------------------------
     def _migrate(self) -> None:
         with self._lock:
-            version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise SchemaVersionError(f"{self.path} has schema version {version}; "
-                                         f"this code knows up to {SCHEMA_VERSION}")
-            if version == 0:
-                self._db.execute("BEGIN IMMEDIATE")
-                try:
-                    for stmt in filter(str.strip, _SCHEMA.split(";")):
-                        self._db.execute(stmt)
-                    self._db.execute("INSERT INTO meta VALUES ('dim', ?)", (str(self.dim),))
-                    self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-                    self._db.execute("COMMIT")
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
+            migrate(self._db, self.dim, self.path)
+            self.store_id = str(self._db.execute("SELECT value FROM meta WHERE key='store_id'").fetchone()[0])
             stored = int(self._db.execute("SELECT value FROM meta WHERE key='dim'").fetchone()[0])
             if stored != self.dim:
                 raise InvalidInput(f"{self.path} holds {stored}-dim embeddings, not {self.dim}")
@@ -152,9 +103,14 @@ class FactStore:
         self.close()
 
     # ---- writes ----------------------------------------------------------------------------
-    def add(self, user: str, texts: Sequence[str], source: str, embeddings: np.ndarray) -> Facts:
-        """Store texts as facts numbered after the source's last one. All or nothing."""
+    def add(self, user: str, texts: Sequence[str], source: str, embeddings: np.ndarray,
+            idempotency_key: str | None = None) -> Facts:
+        """Store texts as facts numbered after the source's last one. All or nothing. With an
+        idempotency key already recorded for this user and request: add nothing and return the
+        facts that request added (those still there); for another request: IdempotencyKeyReused."""
         validate_user(user)
+        if idempotency_key is not None:
+            idempotency.validate_key(idempotency_key)
         validate_source(source)
         if isinstance(texts, str):
             raise InvalidInput("texts must be a list of strings, not one string")
@@ -165,6 +121,13 @@ class FactStore:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
+                if idempotency_key is not None:
+                    digest = idempotency.request_hash(source, texts)
+                    done = idempotency.lookup(self._db, user, idempotency_key, digest, now, self.idempotency_ttl_s)
+                    if done is not None:
+                        by_id = {f.id: f for f in self._select_ids(user, done)} if done else {}
+                        self._db.execute("COMMIT")
+                        return [by_id[i] for i in done if i in by_id]
                 row = self._db.execute("SELECT MAX(seq) FROM facts WHERE user=? AND source=?",
                                        (user, source)).fetchone()
                 first = 0 if row[0] is None else row[0] + 1
@@ -174,6 +137,8 @@ class FactStore:
                     "INSERT INTO facts (id, user, source, seq, text, created_at, embedding) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?)",
                     [(f.id, user, source, f.seq, f.text, now, _to_blob(f.embedding)) for f in facts])
+                if idempotency_key is not None:
+                    idempotency.remember(self._db, user, idempotency_key, digest, [f.id for f in facts], now)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -183,7 +148,7 @@ class FactStore:
     def delete(self, user: str, ids: Iterable[str], *, missing_ok: bool = True) -> int:
         """Delete the user's facts among `ids`; returns how many went. Other users' ids are
         untouched. With missing_ok=False, any id that is not the user's raises FactNotFound and
-        nothing is deleted."""
+        nothing is deleted. Deleted ids go to the deletion log."""
         validate_user(user)
         wanted = self._unique_ids(ids)
         if not wanted:
@@ -196,19 +161,39 @@ class FactStore:
                     missing = [i for i in wanted if i not in found]
                     if missing:
                         raise FactNotFound(missing)
-                n = 0
-                for i in wanted:
-                    n += self._db.execute("DELETE FROM facts WHERE user=? AND id=?", (user, i)).rowcount
+                gone = [i for i in wanted if self._db.execute("DELETE FROM facts WHERE user=? AND id=?", (user, i)).rowcount]
+                deletions.record(self._db, gone, self._clock())
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-        return n
+        return len(gone)
 
     def delete_all(self, user: str) -> int:
+        """Delete every fact of the user (logged) and forget the user's idempotency keys."""
         validate_user(user)
         with self._lock:
-            return self._db.execute("DELETE FROM facts WHERE user=?", (user,)).rowcount
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                gone = [r[0] for r in self._db.execute("SELECT id FROM facts WHERE user=? ORDER BY rowid", (user,))]
+                self._db.execute("DELETE FROM facts WHERE user=?", (user,))
+                deletions.record(self._db, gone, self._clock())
+                idempotency.forget_user(self._db, user)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return len(gone)
+
+    def deletions_since(self, store_id: str, cursor: int) -> DeletionFeed:
+        """The deletion log after `cursor` of the store `store_id` (memory_store/deletions.py)."""
+        with self._lock:
+            return deletions.since(self._db, self.store_id, store_id, cursor)
+
+    def deletion_mark(self) -> tuple[str, int]:
+        """(store id, newest deletion epoch): a cursor that reaches it has seen every deletion so far."""
+        with self._lock:
+            return self.store_id, deletions.head(self._db)
 
     # ---- reads -----------------------------------------------------------------------------
     def get(self, user: str, ids: Iterable[str]) -> Facts:
@@ -279,6 +264,8 @@ class FactStore:
                                    (4 * self.dim,)).fetchone()[0]
             if bad:
                 raise StoreCorrupted(f"{bad} embedding(s) are not {self.dim} float32 values")
+            if self._db.execute("SELECT COUNT(*) FROM deletions JOIN facts ON facts.id = deletions.fact_id").fetchone()[0]:
+                raise StoreCorrupted("a fact in the deletion log is still stored")
             for (fid, blob) in self._db.execute("SELECT id, embedding FROM facts"):
                 norm = float(np.linalg.norm(np.frombuffer(blob, dtype="<f4")))
                 if not abs(norm - 1.0) <= _NORM_TOL:

@@ -18,6 +18,7 @@ from ray.serve import metrics
 
 from memory_store.config import MemoryConfig
 from memory_store.db import FactStore
+from memory_store.deletions import DeletionFeed
 from memory_store.embedder import make_embedder
 from memory_store.segment_cache import SegmentKey
 from memory_store.store import FactView, MemoryService, Recall
@@ -27,14 +28,16 @@ logger = logging.getLogger("ray.serve")
 
 class MemoryStore:
     def __init__(self, cfg: MemoryConfig, db_path: str):
-        db = FactStore(db_path, max_fact_chars=cfg.max_fact_chars, max_facts_per_request=cfg.max_facts_per_request)
+        db = FactStore(db_path, max_fact_chars=cfg.max_fact_chars, max_facts_per_request=cfg.max_facts_per_request,
+                       idempotency_ttl_s=cfg.idempotency_ttl_h * 3600.0)
         self._svc = MemoryService(cfg, db, make_embedder(cfg.embedder))
         self._bytes = metrics.Gauge("baton_memory_segment_bytes", "bytes of encoded memory KV held by the memory store")
         self._hits = metrics.Counter("baton_memory_segment_lookups", "segment lookups by the engines", tag_keys=("result",))
         logger.info("memory store on %s", db_path)
 
-    async def add(self, user: str, texts: Sequence[str], source: str = "api") -> list[FactView]:
-        return await asyncio.to_thread(self._svc.add, user, texts, source)
+    async def add(self, user: str, texts: Sequence[str], source: str = "api",
+                  idempotency_key: str | None = None) -> list[FactView]:
+        return await asyncio.to_thread(self._svc.add, user, texts, source, idempotency_key)
 
     async def list(self, user: str, limit: int = 100, offset: int = 0) -> list[FactView]:
         return await asyncio.to_thread(self._svc.list, user, limit, offset)
@@ -50,6 +53,10 @@ class MemoryStore:
 
     async def recall(self, user: str, query: str, k: int, window: int, ids: Sequence[str] = ()) -> Recall:
         return await asyncio.to_thread(self._svc.recall, user, query, k, window, ids)
+
+    async def deletions_since(self, store_id: str, cursor: int) -> DeletionFeed:
+        """Engine replicas' purge feed (memory_store/resolver.py: each stats tick, and before a request)."""
+        return await asyncio.to_thread(self._svc.deletions_since, store_id, cursor)
 
     async def get_segments(self, user: str, keys: Sequence[SegmentKey]) -> dict[SegmentKey, Any]:
         found = await asyncio.to_thread(self._svc.get_segments, user, keys)

@@ -1,5 +1,6 @@
 """Typed errors of the memory store. Callers map them to HTTP: InvalidInput -> 400,
-FactNotFound -> 404 (the same for a foreign id as for an unknown one), the rest -> 500."""
+FactNotFound -> 404 (the same for a foreign id as for an unknown one), IdempotencyKeyReused -> 422,
+the rest -> 500."""
 
 from __future__ import annotations
 
@@ -25,6 +26,17 @@ class FactNotFound(MemoryStoreError, LookupError):
         # it crosses Ray (pickled) from the memory-store actor: rebuild from the ids, not from
         # the message, which __init__ would otherwise split into characters
         return (type(self), (self.ids,))
+
+
+class IdempotencyKeyReused(MemoryStoreError):
+    """An Idempotency-Key the user already sent with a different request (memory_store/idempotency.py)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__("this Idempotency-Key was already used with a different request; use a new key")
+
+    def __reduce__(self) -> tuple[type[IdempotencyKeyReused], tuple[str]]:
+        return (type(self), (self.key,))
 
 
 class SchemaVersionError(MemoryStoreError):

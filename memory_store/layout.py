@@ -62,12 +62,14 @@ def memory_prompt(
     model: str,
     window: int,
     inject: bool,
+    deletions: tuple[str, int] = ("", 0),
 ) -> MemoryPrompt:
     """Token ids of `messages` (template dicts: role, content) with `facts` in the system message.
 
     inject=True returns the MemoryInjection (and a cache salt naming this composition: vLLM
     registers the injected blocks in its prefix cache, and an approximate injection must never be
-    hit by a request that did not ask for exactly it)."""
+    hit by a request that did not ask for exactly it). `deletions`: the recall's deletion mark,
+    carried to the engine replica on the injection."""
     msgs = list(messages)
     if msgs and msgs[0].get("role") == "system":
         system, rest = str(msgs[0].get("content") or ""), msgs[1:]
@@ -89,7 +91,8 @@ def memory_prompt(
     ids.extend(renderer.text_tokens(after))
     if not inject or not placed:
         return MemoryPrompt(tuple(ids), None, None)
-    injection = MemoryInjection(user=user, anchor_len=len(anchor), facts=tuple(placed), window=window, model=model)
+    injection = MemoryInjection(user=user, anchor_len=len(anchor), facts=tuple(placed), window=window, model=model,
+                                deletions=deletions)
     injection.check_integrity(len(ids))
     return MemoryPrompt(tuple(ids), injection, composition_salt(injection, anchor))
 
@@ -103,6 +106,13 @@ def composition_salt(injection: MemoryInjection, anchor: Sequence[int]) -> str:
         # predecessor deleted or added), blocks built from the old encoding must not be hit
         h.update(f"{f.fact_id}\x00{','.join(f.context_fact_ids)}\x00{token_hash(f.context_ids)}\x00".encode())
     return "baton-mem-" + h.hexdigest()[:32]
+
+
+def encode_salt(user: str) -> str:
+    """The cache salt of a user's memory encode captures (memory_store/resolver.py): their prompts
+    hold the user's facts, so what they leave in the prefix cache is hit by that user's captures
+    only, whatever isolation.prefix_cache says. A hash: the user id is not in it."""
+    return "baton-mem-enc-" + hashlib.sha256(f"baton-mem-enc\x00{user}".encode()).hexdigest()[:32]
 
 
 def token_hash(ids: Sequence[int]) -> str:

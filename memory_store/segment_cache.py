@@ -131,6 +131,15 @@ class SegmentCache:
         with it as context. Returns how many went."""
         return sum(self._remove(k) for k in list(self._deps.get(fact_id, ())))
 
+    def clear(self) -> int:
+        """Remove everything (not counted as evictions). Returns how many went."""
+        n = len(self._items)
+        self._items.clear()
+        self._deps.clear()
+        self._uses.clear()
+        self._bytes = 0
+        return n
+
     def stats(self) -> CacheStats:
         return CacheStats(self._hits, self._misses, self._evictions, self._bytes,
                           len(self._items), self.capacity_bytes)

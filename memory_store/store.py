@@ -8,6 +8,10 @@ is testable in milliseconds with a fake embedder. It owns three things:
   evicted or lost segment is encoded again by an engine replica when next needed.
 Every call names the user, and every fact it touches must be that user's (FactNotFound
 otherwise, the same answer for a foreign id as for an unknown one).
+
+Deleting facts drops their segments here at once; engine replicas purge theirs from the deletion
+log (`deletions_since`, memory_store/deletions.py), and every Recall carries the log's mark so a
+replica purges up to it before it uses its own cache (memory_store/resolver.py).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Any
 
 from memory_store.config import MemoryConfig
 from memory_store.db import Fact, FactStore
+from memory_store.deletions import DeletionFeed
 from memory_store.embedder import Embedder
 from memory_store.errors import InvalidInput
 from memory_store.layout import RecalledFact
@@ -48,6 +53,7 @@ class FactView:
 class Recall:
     facts: tuple[RecalledFact, ...]
     scores: tuple[float, ...]  # cosine similarity per fact (1.0 for facts named explicitly)
+    deletions: tuple[str, int] = ("", 0)  # the deletion log's mark (store id, epoch) once recalled
 
 
 class MemoryService:
@@ -59,11 +65,13 @@ class MemoryService:
         self._seg_lock = threading.Lock()  # SegmentCache is not thread-safe
 
     # ---- facts ------------------------------------------------------------------------------
-    def add(self, user: str, texts: Sequence[str], source: str = "api") -> list[FactView]:
+    def add(self, user: str, texts: Sequence[str], source: str = "api", idempotency_key: str | None = None) -> list[FactView]:
+        """Store facts; with an idempotency key, a repeat of the same request adds nothing and
+        returns what the first one added (memory_store/idempotency.py)."""
         if not texts:
             raise InvalidInput("no facts given")
         vecs = self._embedder.embed(list(texts))
-        return [FactView.of(f) for f in self._db.add(user, list(texts), source, vecs)]
+        return [FactView.of(f) for f in self._db.add(user, list(texts), source, vecs, idempotency_key)]
 
     def list(self, user: str, limit: int = 100, offset: int = 0) -> list[FactView]:
         return [FactView.of(f) for f in self._db.list_facts(user, limit=limit, offset=offset)]
@@ -100,7 +108,7 @@ class MemoryService:
                 raise InvalidInput(f"memories.k must be in [1, {self._cfg.max_k}]")
             all_ids, matrix = self._db.all_embeddings(user)
             if not all_ids:
-                return Recall((), ())
+                return Recall((), (), self._db.deletion_mark())
             q = self._embedder.embed([query or " "])[0]
             best = top_k(q, all_ids, matrix, k)
             scores = {s.fact_id: s.score for s in best}
@@ -110,7 +118,12 @@ class MemoryService:
         for f in ordered:
             before = self._db.preceding(user, f, window) if window else []
             recalled.append(RecalledFact(f.id, f.text, tuple(p.text for p in before), tuple(p.id for p in before)))
-        return Recall(tuple(recalled), tuple(scores[f.id] for f in ordered))
+        # the mark is read after the facts: it covers every deletion that committed before them
+        return Recall(tuple(recalled), tuple(scores[f.id] for f in ordered), self._db.deletion_mark())
+
+    def deletions_since(self, store_id: str, cursor: int) -> DeletionFeed:
+        """What an engine replica must purge from its segment cache since its cursor."""
+        return self._db.deletions_since(store_id, cursor)
 
     # ---- encoded KV --------------------------------------------------------------------------
     def get_segments(self, user: str, keys: Sequence[SegmentKey]) -> dict[SegmentKey, Any]:

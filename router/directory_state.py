@@ -166,7 +166,8 @@ class DirectoryState:
         if session_id is not None:
             self._record(session_id, user, plan, now)
             plan = replace(plan, turn_index=self._pins[session_id].turns - 1)
-        return plan
+        decoders = self.live("decode", now)
+        return replace(plan, pool_queueing=bool(decoders) and all(r.num_waiting > 0 for r in decoders))
 
     def _record(self, session_id: str, user: str | None, plan: TurnPlan, now: float) -> None:
         pin = self._pins.get(session_id)

@@ -37,6 +37,9 @@ class TurnPlan:
     remote_prefill: bool  # prefill on the prefill pool and move the KV to decode_replica
     reason: Literal["pinned", "new", "repinned", "per_turn", "round_robin"]
     turn_index: int = field(default=0, compare=False)  # 0 for a conversation's first turn (set by the directory)
+    # every live decoder reported requests waiting in its engine queue (set by the directory; the
+    # ingress's adaptive admission does not raise its limit then, router/chat_admission.py)
+    pool_queueing: bool = field(default=False, compare=False)
 
 
 class NoReplicaAvailable(RuntimeError):

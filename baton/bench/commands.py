@@ -9,9 +9,11 @@ from typing import Any
 BENCHMARKS = {
     "overhead": "baton.bench.overhead",  # Baton vs bare vLLM, same engine and prompts
     "conserve": "baton.bench.conserve",  # routing policies on one agentic trace
+    "salting": "baton.bench.salting",  # prefix-cache isolation: tenant vs shared salts on the agentic trace
     "checkpoints": "baton.bench.checkpoints",  # recurrent-state checkpoint placement (hybrid models)
     "memory": "baton.bench.memory",  # InferScale: KV vs prompt injection of memories on LoCoMo
     "reliability": "baton.bench.reliability",  # faults, overload, bad input, isolation (+ soak)
+    "admission": "baton.bench.reliability_admission",  # chat admission under overload: fixed bound vs adaptive (TTFT target)
     "realtime": "baton.bench.realtime",  # Metronome: bounded vs unbounded real-time sessions, cliff, AIMD
     "window-quality": "baton.bench.window_quality",  # Metronome: sink + window KV perplexity and repetition
 }

@@ -3,8 +3,8 @@ running local cluster (Ray CLI + `serve run`, as a user starts it).
 
 The cluster is cluster_configs/local.yaml (conversation policy, 1 prefill + 2 decode engines,
 memories and real-time sessions) with: two ingress replicas, API keys bound to users (alice,
-bob) in BATON_API_KEYS, small admission limits so overload reaches them, a fresh memory DB and
-smaller KV pools. Cases run in an order that keeps each one's preconditions (isolation and bad
+bob) and an operator key (for /baton/stats) in BATON_API_KEYS, small admission limits so
+overload reaches them, a fresh memory DB and smaller KV pools. Cases run in an order that keeps each one's preconditions (isolation and bad
 input on a healthy cluster, then overload, then the faults, each waiting until Serve has made
 the cluster whole again; the soak last, full mode only). Every case returns a CaseResult.
 
@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from baton.bench import reliability_admission as admission
 from baton.bench import reliability_faults as faults
 from baton.bench import reliability_input as inputs
 from baton.bench import reliability_load as load
@@ -36,6 +37,7 @@ from baton.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
 KEYS = {"alice": "ka-" + "a" * 24, "bob": "kb-" + "b" * 24}
+OPERATOR_KEY = "ko-" + "o" * 24  # bound to no user: /baton/stats
 INGRESS_REPLICAS, MAX_INFLIGHT = 2, 4
 HTTP_PORT, RAY_PORT, METRICS_PORT = 28400, 26420, 28480
 RAY_LOGS = Path(tempfile.gettempdir()) / "ray" / "session_latest" / "logs"
@@ -87,14 +89,16 @@ def _guarded(name: str, category: str, fn: Callable[[], CaseResult]) -> CaseResu
 
 def run(quick: bool, out_dir: Path, *, soak_s: float = 600.0, only: set[str] | None = None) -> dict[str, Any]:
     """only: run just these categories (faults, overload, bad_input, security, soak); None: all
-    (the soak only when not quick)."""
+    (the soak only when not quick). The overload category includes the fixed vs adaptive admission
+    comparison (baton/bench/reliability_admission.py; also `admission` alone), which runs after the
+    shared cluster stops, on two app starts of its own."""
     import ray
 
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="baton-reliability-"))
     args = bench_args(work / "memories.sqlite3")
-    env = {"BATON_API_KEYS": ",".join(f"{k}={u}" for u, k in KEYS.items())}
+    env = {"BATON_API_KEYS": ",".join([OPERATOR_KEY] + [f"{k}={u}" for u, k in KEYS.items()])}
     marker = f"ZQXMARK{uuid.uuid4().hex[:12]}"
     alice, bob = KEYS["alice"], KEYS["bob"]
     results: list[CaseResult] = []
@@ -106,7 +110,7 @@ def run(quick: bool, out_dir: Path, *, soak_s: float = 600.0, only: set[str] | N
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address=f"127.0.0.1:{RAY_PORT}", log_to_driver=False, logging_level="ERROR")
         url, ws_url = app.url, app.url.replace("http://", "ws://") + "/v1/realtime"
-        cl = faults.Cluster(url, alice, decode=2, prefill=1, ingress=INGRESS_REPLICAS)
+        cl = faults.Cluster(url, alice, decode=2, prefill=1, ingress=INGRESS_REPLICAS, operator_key=OPERATOR_KEY)
         faults.wait_whole(fresh(url), cl)
         inputs.send_marker(fresh(url), alice, ws_url, marker)
 
@@ -139,6 +143,11 @@ def run(quick: bool, out_dir: Path, *, soak_s: float = 600.0, only: set[str] | N
                 marker, [RAY_LOGS, work / "serve"], f"http://127.0.0.1:{METRICS_PORT}/metrics", fresh(url))))
         oom = ray_oom_kills()
         ray.shutdown()
+    if only is None or only & {"overload", "admission"}:  # two more app starts: fixed, then adaptive admission
+        start = lambda a, mode: LocalServeApp(a, resources=admission.RESOURCES, http_port=HTTP_PORT, ray_port=RAY_PORT,
+                                              log_dir=work / f"serve-{mode}", env=env, metrics_export_port=METRICS_PORT)
+        results.append(_guarded("overload: adaptive vs fixed admission, same load", "overload", lambda: admission.compare(
+            start, args, alice, load.Limits(INGRESS_REPLICAS, MAX_INFLIGHT), 45 if quick else 120, f"http://127.0.0.1:{METRICS_PORT}/metrics")))
     shutil.rmtree(work, ignore_errors=True)
 
     totals = {"lost_turns": sum(r.lost_turns for r in results), "server_errors": sum(r.server_errors for r in results),

@@ -31,13 +31,15 @@ SYSTEM = "You are a travel assistant. Available tools: " + " ".join(
 
 @dataclass(frozen=True)
 class Cluster:
-    """Where the bench reaches the application: its URL, an API key, and the shape it should have."""
+    """Where the bench reaches the application: its URL, a user's API key, the operator key
+    (/baton/stats takes only a key bound to no user), and the shape it should have."""
 
     url: str
     key: str
     decode: int
     prefill: int
     ingress: int
+    operator_key: str
 
 
 # ---- Ray-side handles --------------------------------------------------------------------------
@@ -72,7 +74,7 @@ def wait_whole(c: Client, cl: Cluster, gone: frozenset[str] | set[str] = frozens
     deployment has its replicas and /health is ok. Returns the seconds it took."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        live = live_replicas(c, cl.key)
+        live = live_replicas(c, cl.operator_key)
         actors = set(named_actors("SERVE_REPLICA::baton#"))
         engines_ok = all(
             len(live[p]) == n and not (live[p] & gone) and all(replica_actor(p, r) in actors for r in live[p])
@@ -157,7 +159,7 @@ def prefill_killed_during_handoff(c: Client, cl: Cluster, prompt_words: int = 15
     (the decoder prefills it), and so does a new conversation started while the pool is empty."""
     t0 = time.monotonic()
     victims = named_actors("SERVE_REPLICA::baton#prefill#")
-    before = _decode_transfers(c, cl.key)
+    before = _decode_transfers(c, cl.operator_key)
     long_doc = " ".join(f"w{i % 97}" for i in range(prompt_words))
     conv = Conversation(c, cl.key, "prefill-kill", system="Summarize the user's document.")
     result: dict[str, Any] = {}
@@ -173,7 +175,7 @@ def prefill_killed_during_handoff(c: Client, cl: Cluster, prompt_words: int = 15
     t1 = time.monotonic()
     conv2.turn("A new conversation while the prefill pool is empty: hello!")
     second_s = time.monotonic() - t1
-    moved = _decode_transfers(c, cl.key) - before
+    moved = _decode_transfers(c, cl.operator_key) - before
     healed = wait_whole(c, cl)
     detail = (f"killed {len(victims)} prefill replica(s) 0.8 s into a {conv.prompt_tokens[0]}-token first turn; it answered "
               f"{first_s:.1f}s after the kill on {conv.replicas[0]}; a new conversation meanwhile took {second_s:.1f}s; "

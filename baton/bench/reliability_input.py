@@ -47,6 +47,15 @@ def bad_requests(model: str) -> list[BadRequest]:
                    content=b'{"messages": [{"role": "user", "content": "caf\xe9 \xff\xfe"}]}'),
         BadRequest("non-JSON body", "POST", "/v1/chat/completions", 400, "invalid_json", content=b"this is not json {"),
         BadRequest("JSON but not an object", "POST", "/v1/completions", 400, "invalid_json", content=b"[1, 2, 3]"),
+        # issue 11: a lone surrogate was a 500 (tokenizer) / 503 (memory store); a 10 MB body was tokenized for seconds
+        BadRequest("lone surrogate in chat", "POST", "/v1/chat/completions", 400, "invalid_json",
+                   content=b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 4}'),
+        BadRequest("lone surrogate in completion", "POST", "/v1/completions", 400, "invalid_json",
+                   content=b'{"prompt": "a \\udfff b", "max_tokens": 4}'),
+        BadRequest("lone surrogate in memories", "POST", "/v1/memories", 400, "invalid_json",
+                   content=b'{"facts": ["\\ud800"]}'),
+        BadRequest("10 MB body", "POST", "/v1/chat/completions", 413, "request_too_large",
+                   content=b'{"messages": [{"role": "user", "content": "' + b"word " * 2_000_000 + b'"}]}'),
         BadRequest("unknown model", "POST", "/v1/chat/completions", 404, "model_not_found",
                    json_body={"model": "gpt-imaginary", "messages": user, "max_tokens": 4}),
         BadRequest("bad sampling value", "POST", "/v1/chat/completions", 400, "invalid_value",
@@ -166,7 +175,7 @@ def _augmented_spec(spec: dict[str, Any]) -> dict[str, Any]:
 
 def schemathesis_fuzz(c: Client, key: str, out_dir: Path, max_examples: int, max_time_s: int) -> CaseResult:
     t0 = time.monotonic()
-    spec = c.request("GET", "/openapi.json", what="openapi")
+    spec = c.request("GET", "/openapi.json", key=key, what="openapi")  # with keys on, the schema needs one too
     if spec.status != 200:
         return CaseResult("schemathesis: no 5xx", "bad_input", False, 0, c.tally.server_errors, 0, f"/openapi.json: {spec.status}", 0.0)
     path = out_dir / "openapi_augmented.json"

@@ -47,7 +47,7 @@ class Limits:
         return self.ingress_replicas * self.max_inflight
 
 
-def _long_prompt(words: int) -> list[dict[str, str]]:
+def long_prompt(words: int) -> list[dict[str, str]]:
     salt = uuid.uuid4().hex  # first tokens differ: nothing comes from the prefix cache
     body = " ".join(f"item{i % 89}" for i in range(words))
     return [{"role": "user", "content": f"[{salt}] Count the items in this list: {body}"}]
@@ -82,7 +82,7 @@ class _RSS:
 def overload(url: str, key: str, limits: Limits, duration_s: float, prompt_words: int = 700) -> CaseResult:
     t0 = time.monotonic()
     probe = Client(url, Tally())
-    alone = probe.request("POST", "/v1/chat/completions", key=key, json_body=chat_body(_long_prompt(prompt_words), 16), what="alone")
+    alone = probe.request("POST", "/v1/chat/completions", key=key, json_body=chat_body(long_prompt(prompt_words), 16), what="alone")
     one_s = alone.seconds
     bound_s = 2.0 * limits.admitted * one_s + 5.0
     offered = 2 * limits.admitted
@@ -94,7 +94,7 @@ def overload(url: str, key: str, limits: Limits, duration_s: float, prompt_words
     def worker() -> None:
         c = Client(url, Tally())
         while time.monotonic() < stop_at:
-            a = c.request("POST", "/v1/chat/completions", key=key, json_body=chat_body(_long_prompt(prompt_words), 16), what="overload")
+            a = c.request("POST", "/v1/chat/completions", key=key, json_body=chat_body(long_prompt(prompt_words), 16), what="overload")
             with lock:
                 answers.append(a)
             if not a.ok:  # a refused client honours Retry-After (at most 5 s), as OpenAI's clients do

@@ -36,7 +36,9 @@ class GenerationRequest:
     kv_transfer_params: dict[str, Any] | None = None
     target_replica: str | None = None  # the replica that must serve it (chosen by the directory)
     memory: MemoryInjection | None = None  # memory facts to inject as KV (None: compute the whole prompt)
-    cache_salt: str | None = None  # separates prefix-cache entries built from approximate (injected) KV
+    # prefix-cache scope (vLLM's cache_salt): the tenant, an injected memory composition, a real-time tick
+    # (deployments/salt.py); requests hit each other's KV only with equal salts
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

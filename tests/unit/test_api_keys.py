@@ -32,12 +32,12 @@ def client(keys: dict[str, str | None]) -> tuple[TestClient, FakeBackend]:
 
 def test_keys_come_from_the_named_variable() -> None:
     assert api_keys_from_env(None, {}) == {}
-    assert api_keys_from_env("K", {"K": " a, b ,,"}) == {"a": None, "b": None}
+    assert api_keys_from_env("K", {"K": " a, b "}) == {"a": None, "b": None}
     assert api_keys_from_env("K", {"K": "a=alice, b = bob,c"}) == {"a": "alice", "b": "bob", "c": None}
     with pytest.raises(ValueError, match="'K'"):
         api_keys_from_env("K", {})
     with pytest.raises(ValueError, match="holds no keys"):
-        api_keys_from_env("K", {"K": " , "})
+        api_keys_from_env("K", {"K": "  "})
 
 
 def test_bearer_header_must_carry_a_configured_key() -> None:

@@ -193,6 +193,15 @@ def test_round_robin_rotates_over_live_decoders_whatever_the_session(make_state:
     assert not any(p.remote_prefill for p in got) and {p.reason for p in got} == {"round_robin"}
 
 
+def test_a_plan_says_when_every_live_decoder_has_requests_waiting(make_state: MakeState) -> None:
+    state = make_state("colocated")
+    up(state, 0.0, "d0", "d1", prefill=(), num_waiting=2)
+    assert state.route(None, None, 100, now=0.0).pool_queueing
+    state.report(rep("d1", "decode", num_waiting=0), 1.0)  # one decoder with room is enough: no hint
+    assert not state.route(None, None, 100, now=1.0).pool_queueing
+    assert state.route(None, None, 100, now=1.0) == TurnPlan("d0", remote_prefill=False, reason="new")  # not part of equality
+
+
 # ---- lifetime of conversations ------------------------------------------------------------------------------
 
 

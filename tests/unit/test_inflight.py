@@ -2,10 +2,15 @@
 slot back exactly once, whichever path (or how many paths) release it."""
 from __future__ import annotations
 
+import asyncio
+import math
+
 import pytest
 
 from deployments.errors import APIError
-from deployments.inflight import InflightLimit
+from deployments.inflight import InflightLimit, status_of
+from deployments.metrics import RecordingMetrics
+from router.chat_admission import ChatAdmissionConfig
 
 
 def test_acquire_up_to_the_limit_then_429_with_retry_after() -> None:
@@ -53,3 +58,120 @@ def test_default_is_unbounded_and_a_limit_below_one_is_refused() -> None:
     assert limit.inflight == 1000
     with pytest.raises(ValueError):
         InflightLimit(0)
+
+
+# ---- adaptive mode: the limit follows a TTFT target (router/chat_admission.py) --------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+ADAPTIVE = ChatAdmissionConfig(mode="adaptive", ttft_target_s=1.0, initial_limit=2, min_limit=1, multiplicative_factor=0.5,
+                               control_period_s=1.0, window_s=10.0, min_samples=2)
+
+
+def adaptive(cap: int = 8, **changes: object) -> tuple[InflightLimit, Clock, RecordingMetrics]:
+    clock, metrics = Clock(), RecordingMetrics()
+    return InflightLimit(cap, ADAPTIVE.model_copy(update=changes), clock=clock, metrics=metrics), clock, metrics
+
+
+def test_an_adaptive_limit_refuses_beyond_its_current_limit_under_a_higher_cap() -> None:
+    limit, _, metrics = adaptive(cap=8)
+    assert limit.mode == "adaptive" and limit.limit == 2 and limit.cap == 8
+    limit.acquire(), limit.acquire()
+    with pytest.raises(APIError) as e:
+        limit.acquire()
+    assert e.value.status == 429 and e.value.code == "overloaded" and e.value.headers == {"Retry-After": "1"} and "limit 2" in e.value.message
+    assert limit.inflight == 2 and metrics.admissions == {"admitted": 2, "refused": 1} and metrics.admission_limits == [2]
+    fixed = InflightLimit(8, ChatAdmissionConfig(mode="fixed"))
+    assert fixed.mode == "fixed" and [fixed.acquire() for _ in range(8)] and fixed.limit == 8
+
+
+def test_tickets_report_their_ttft_once_at_the_first_token() -> None:
+    limit, clock, _ = adaptive()
+    ticket = limit.acquire()
+    clock.t = 0.3
+    ticket.first_token()
+    ticket.first_token()  # a second first token is not a second sample
+    clock.t = 5.0  # a long generation after a quick first token: still a 0.3 s sample
+    ticket.release(200)
+    assert limit.totals["samples"] == 1 and limit._ctl is not None and limit._ctl.window(5.0) == [0.3]
+
+
+@pytest.mark.parametrize("status,sample", [(503, math.inf), (500, math.inf), (200, 0.4), (400, None), (499, None), (None, None)])
+def test_a_ticket_released_without_a_first_token_reports_by_its_status(status: int | None, sample: float | None) -> None:
+    limit, clock, _ = adaptive()
+    ticket = limit.acquire()
+    clock.t = 0.4
+    ticket.release(status)
+    assert limit._ctl is not None and limit._ctl.window(0.4) == ([] if sample is None else [sample])
+    assert ticket.reported and limit.inflight == 0
+
+
+def test_the_context_manager_releases_with_the_status_of_the_exception() -> None:
+    assert (status_of(None), status_of(APIError(503, "x")), status_of(asyncio.CancelledError()), status_of(KeyError())) == (200, 503, 499, 500)
+    limit, clock, _ = adaptive()
+    with pytest.raises(APIError), limit.acquire():
+        clock.t = 0.2
+        raise APIError(503, "pool queue full")
+    assert limit._ctl is not None and limit._ctl.window(0.2) == [math.inf]
+
+
+def test_a_request_without_a_first_token_past_the_target_is_a_miss_at_once() -> None:
+    limit, clock, _ = adaptive(cap=8, initial_limit=4)
+    slow = [limit.acquire(), limit.acquire()]
+    clock.t = 1.5  # both admitted 1.5 s ago, no first token: overdue
+    with pytest.raises(APIError):  # two misses (min_samples 2), a period elapsed: 4 -> 2 before either finished
+        limit.acquire()
+    assert limit.totals["overdue"] == 2 and all(t.reported for t in slow) and limit.limit == 2
+    clock.t = 3.0
+    slow[0].first_token()  # already counted: no second sample
+    slow[0].release(200), slow[1].release(200)
+    assert limit.totals["samples"] == 2
+
+
+def test_refused_requests_report_nothing_and_the_limit_grows_back_under_target() -> None:
+    limit, clock, metrics = adaptive(cap=4)
+    admitted = []
+    for step in range(1, 4):  # each period: requests arrive until one is refused; the admitted answer in 0.2 s
+        tickets = []
+        while len(tickets) < 10:
+            try:
+                tickets.append(limit.acquire())
+            except APIError:
+                break
+        admitted.append(len(tickets))
+        clock.t += 0.2
+        for t in tickets:
+            t.first_token()
+            t.release(200)
+        clock.t = float(step)
+        assert limit.totals["refused"] == step
+    assert admitted == [2, 3, 4] and limit.totals["samples"] == 2 + 3 + 4
+    assert metrics.admission_limits == [2, 3, 4] and metrics.admissions == {"admitted": 9, "refused": 3}
+    clock.t = 4.0
+    assert len([limit.acquire() for _ in range(4)]) == 4 and limit.limit == 4  # the cap holds
+
+
+@pytest.mark.parametrize("queueing", [True, False])
+def test_the_pool_queueing_hint_holds_growth(queueing: bool) -> None:
+    limit, clock, _ = adaptive(cap=8)
+    limit.note_pool_queueing(queueing)
+    tickets = [limit.acquire(), limit.acquire()]
+    clock.t = 0.2
+    for t in tickets:
+        t.first_token()
+    clock.t = 1.0
+    assert limit.snapshot()["pool_queueing"] is queueing
+    if queueing:  # the law runs: on target and binding, but every decoder is queueing
+        with pytest.raises(APIError):
+            limit.acquire()
+        assert limit.limit == 2
+    else:
+        limit.acquire()
+        assert limit.limit == 3

@@ -26,6 +26,7 @@ from deployments.frontend import OpenAIFrontend
 from deployments.memory_api import MemoryFrontend, resolve_user, store_error
 from deployments.metrics import RecordingMetrics
 from deployments.openai_api import build_openai_app
+from deployments.salt import tenant_salt
 from memory_store.config import MemoryConfig
 from memory_store.db import FactStore
 from memory_store.embedder import HashingEmbedder
@@ -242,7 +243,7 @@ def test_chat_with_memories_in_prompt_mode(tmp_path: Path) -> None:
     api.add("alice", ALICE_FACTS)
     assert api.chat({"k": 1}, content="violin").status_code == 200
     req = api.backend.last
-    assert req.memory is None and req.cache_salt is None
+    assert req.memory is None and req.cache_salt == tenant_salt("tenant", "alice")  # the user's salt (deployments/salt.py)
     line = api.line_ids("Alice plays the violin")
     prompt = req.prompt_token_ids
     assert any(prompt[i : i + len(line)] == line for i in range(len(prompt)))
@@ -256,7 +257,7 @@ def test_prompt_mode_per_request_on_a_kv_store(api: Api) -> None:
     api.add("alice", ALICE_FACTS)
     assert api.chat({"k": 3, "mode": "prompt", "window": 0}).status_code == 200
     req = api.backend.last
-    assert req.memory is None and req.cache_salt is None
+    assert req.memory is None and req.cache_salt == tenant_salt("tenant", "alice")
     assert len(req.prompt_token_ids) > len(api.line_ids(ALICE_FACTS[0])) * 3
 
 
@@ -289,7 +290,7 @@ def test_chat_without_memories_is_untouched(api: Api) -> None:
     api.add("alice", ALICE_FACTS)
     assert api.chat(None).status_code == 200
     req = api.backend.last
-    assert req.memory is None and req.cache_salt is None
+    assert req.memory is None and req.cache_salt == tenant_salt("tenant", "alice")  # the tenant's, no memory salt
     assert api.store.called("recall") == []
     assert api.line_ids(ALICE_FACTS[0])[1] not in req.prompt_token_ids
 
@@ -376,10 +377,10 @@ def test_prepare_chat_sets_memory_and_salt_in_kv_mode_only(api: Api) -> None:
     kv = memory_prompt(api.renderer, msgs, facts, user="alice", model="m", window=0, inject=True)
     text = memory_prompt(api.renderer, msgs, facts, user="alice", model="m", window=0, inject=False)
     p = frontend.prepare_chat(body, "s1", kv).request
-    assert p.prompt_token_ids == kv.token_ids and p.memory == kv.injection and p.cache_salt == kv.cache_salt
+    assert p.prompt_token_ids == kv.token_ids and p.memory == kv.injection and p.cache_salt == tenant_salt("tenant", "alice", kv.cache_salt)
     assert p.user == "alice" and p.session_id == "s1"
     q = frontend.prepare_chat(body, "s1", text).request
-    assert q.prompt_token_ids == kv.token_ids and q.memory is None and q.cache_salt is None
+    assert q.prompt_token_ids == kv.token_ids and q.memory is None and q.cache_salt == tenant_salt("tenant", "claimed")
     with pytest.raises(APIError) as e:  # memories asked for, but no memory prompt given
         frontend.prepare_chat(body, None)
     assert e.value.code == "memories_unavailable"

@@ -109,3 +109,14 @@ def test_bad_keys(kwargs):
 def test_capacity_must_be_positive():
     with pytest.raises(ValueError):
         SegmentCache(0)
+
+
+def test_clear_empties_the_cache_and_its_context_index():
+    c = SegmentCache(100)
+    c.put(fk("a"), Blob(10))
+    c.put(fk("b"), Blob(10), context=["a"])
+    assert c.clear() == 2 and len(c) == 0 and c.stats().bytes == 0 and c.stats().evictions == 0
+    c.check_integrity()
+    assert c.drop_fact("a") == 0
+    assert c.put(fk("b"), Blob(10), context=["a"]).stored and c.drop_fact("a") == 1
+    c.check_integrity()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +19,7 @@ from deployments.frontend import OpenAIFrontend
 from deployments.inflight import InflightLimit
 from deployments.metrics import RecordingMetrics
 from deployments.protocol import ChatCompletionRequest
+from router.chat_admission import ChatAdmissionConfig
 
 
 class GatedBackend:
@@ -148,5 +150,36 @@ def test_a_client_cancelling_mid_stream_releases_the_slot() -> None:
         backend.gate.set()
         assert (await f.complete(f.prepare_chat(chat(), None))).body is not None  # the one slot is free again
         assert limit.inflight == 0
+
+    asyncio.run(go())
+
+
+def test_the_frontend_hands_each_tickets_first_token_to_an_adaptive_limit() -> None:
+    """Non-streaming and streaming requests report their TTFT when the first token arrives (not
+    when they end); a failure before any token reports a miss; refusals report nothing."""
+    now = [0.0]
+    cfg = ChatAdmissionConfig(mode="adaptive", ttft_target_s=5.0, initial_limit=2, min_samples=10)
+
+    async def go() -> None:
+        backend, limit = GatedBackend(), InflightLimit(8, cfg, clock=lambda: now[0])
+        f = frontend(backend, limit)
+        running = asyncio.create_task(f.complete(f.prepare_chat(chat(), None)))
+        reply = await f.open_stream(f.prepare_chat(chat(stream=True), None))
+        assert reply.events is not None
+        first = await reply.events.__anext__()  # the role chunk; the first token follows
+        assert first.startswith("data: ") and limit.limit == 2
+        await reply.events.__anext__()
+        await asyncio.sleep(0.01)
+        assert limit.totals["samples"] == 2 and limit.inflight == 2  # both reported, both still generating
+        with pytest.raises(APIError) as e:
+            await f.complete(f.prepare_chat(chat(), None))
+        assert e.value.status == 429 and limit.totals == {"admitted": 2, "refused": 1, "samples": 2, "overdue": 0}
+        backend.gate.set()
+        await running
+        assert [ev async for ev in reply.events][-1] == "data: [DONE]\n\n" and limit.inflight == 0
+        backend.fail = True
+        with pytest.raises(APIError):
+            await f.complete(f.prepare_chat(chat(), None))
+        assert limit.totals["samples"] == 3 and limit._ctl is not None and limit._ctl.window(0.0) == [0.0, 0.0, math.inf]
 
     asyncio.run(go())

@@ -22,6 +22,7 @@ from fakes import FakeDirectory, FakePoolHandle, FakeResponseStream, FakeTokeniz
 from baton.engine.types import EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
 from deployments.chat import PromptRenderer
 from deployments.frontend import OpenAIFrontend
+from deployments.inflight import InflightLimit
 from deployments.metrics import RecordingMetrics
 from deployments.openai_api import build_openai_app
 from router.directory_state import DirectorySettings, DirectoryState
@@ -254,7 +255,9 @@ def test_baton_stats_shows_the_resumes_of_the_ingress_replica_that_answers() -> 
     metrics = RecordingMetrics()
     metrics.stream_resume("resumed")
     state = DirectoryState(DirectorySettings(policy="colocated"))
-    ingress = SimpleNamespace(_directory=FakeDirectory(state=state), _metrics=metrics)
+    ingress = SimpleNamespace(_directory=FakeDirectory(state=state), _metrics=metrics, _admission=InflightLimit(4))
     ingress._stats = lambda: cls._stats(ingress)
     snap = asyncio.run(cls._public_stats(ingress))
-    assert snap["ingress"] == {"stream_resumes": {"resumed": 1}} and snap["policy"] == "colocated"
+    assert snap["ingress"]["stream_resumes"] == {"resumed": 1} and snap["policy"] == "colocated"
+    assert snap["ingress"]["admission"] == {"mode": "fixed", "limit": 4, "cap": 4, "inflight": 0, "pool_queueing": False,
+                                            "admitted": 0, "refused": 0, "samples": 0, "overdue": 0}
