@@ -57,15 +57,30 @@ class LocalServeApp:
         # absolute: `serve run` runs in the checkout, not in the caller's working directory
         self._log_dir = (log_dir or Path(tempfile.mkdtemp(prefix="baton-serve-"))).resolve()
         self._serve: subprocess.Popen | None = None
+        self._launched_at = 0.0  # when `serve run` was launched (monotonic)
         self._metrics_port = metrics_export_port
         self._env = {**os.environ, **(env or {}), "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": f"127.0.0.1:{ray_port}",
                      "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ.get('PATH', '')}"}
 
-    def __enter__(self) -> RunningApp:
+    @property
+    def ray_port(self) -> int:
+        return self._ray_port
+
+    @property
+    def http_port(self) -> int:
+        return self._http_port
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(self._env)
+
+    def _launch(self, http_host: str) -> subprocess.Popen:
+        """Write the Serve config (its HTTP proxies bind http_host), `ray start` a fresh head and
+        `serve run` the config; returns the `serve run` process."""
         self._log_dir.mkdir(parents=True, exist_ok=True)
         config = {
             "proxy_location": "HeadOnly",
-            "http_options": {"host": "127.0.0.1", "port": self._http_port},
+            "http_options": {"host": http_host, "port": self._http_port},
             "applications": [{"name": "baton", "route_prefix": "/", "import_path": "deployments.app:build_app", "args": self._args}],
         }
         cfg_path = self._log_dir / "serve_config.yaml"
@@ -78,8 +93,14 @@ class LocalServeApp:
             env=self._env, capture_output=True, check=True,
         )
         log = (self._log_dir / "serve.log").open("w")
-        t0 = time.monotonic()
+        self._launched_at = time.monotonic()
         self._serve = subprocess.Popen(["serve", "run", str(cfg_path)], env=self._env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        return self._serve
+
+    def __enter__(self) -> RunningApp:
+        self._launch("127.0.0.1")
+        assert self._serve is not None
+        t0 = self._launched_at
         url = f"http://127.0.0.1:{self._http_port}"
         while time.monotonic() - t0 < self._timeout:
             if self._serve.poll() is not None:
@@ -102,3 +123,59 @@ class LocalServeApp:
             except subprocess.TimeoutExpired:
                 self._serve.kill()
         subprocess.run(["ray", "stop", "--force"], env=self._env, capture_output=True, check=False)
+
+
+# polls the application's status from a separate driver (the dashboard is off, so no `serve status`)
+_STATUS_SCRIPT = """
+import json, sys, time
+import ray
+from ray import serve
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+end, last = time.monotonic() + float(sys.argv[2]), {}
+while time.monotonic() < end:
+    try:
+        apps = serve.status().applications
+    except Exception as e:  # noqa: BLE001 - Serve still starting
+        apps, last = {}, {"error": type(e).__name__}
+    if "baton" in apps:
+        a = apps["baton"]
+        last = {"status": str(getattr(a.status, "value", a.status)), "message": a.message or ""}
+        if last["status"] in ("DEPLOY_FAILED", "RUNNING", "UNHEALTHY"):
+            break
+    time.sleep(2)
+last["replicas"] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::baton#")]
+print("STATUS " + json.dumps(last))
+"""
+
+
+@dataclass(frozen=True)
+class StartAttempt:
+    """A `serve run` of a config that should not start: what Serve said, and what answered."""
+
+    status: str | None  # the application's status (DEPLOY_FAILED, RUNNING, ...; None: never reported)
+    message: str  # Serve's message for it (the builder's error)
+    replicas: list[str]  # the application's replica actors that exist
+    answers: dict[str, int | str]  # path -> HTTP status on the port (or the connection error)
+    seconds: float
+
+
+def attempt_start(app: LocalServeApp, http_host: str, wait_s: float = 150.0) -> StartAttempt:
+    """`ray start` + `serve run` of `app`'s config with Serve's HTTP proxies on http_host (instead
+    of `with app:`, which expects a healthy start); wait until the application fails to deploy,
+    runs, or wait_s passes; probe the port; tear everything down."""
+    t0 = time.monotonic()
+    try:
+        app._launch(http_host)
+        p = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c", _STATUS_SCRIPT, f"127.0.0.1:{app.ray_port}", str(wait_s)],
+                           env=app.env, cwd=ROOT, capture_output=True, text=True, timeout=wait_s + 120, check=False)
+        line = next((ln for ln in p.stdout.splitlines() if ln.startswith("STATUS ")), None)
+        got = json.loads(line[7:]) if line else {"message": (p.stderr or p.stdout)[-500:]}
+        answers: dict[str, int | str] = {}
+        for path in ("/health", "/v1/models"):
+            try:
+                answers[path] = httpx.get(f"http://127.0.0.1:{app.http_port}{path}", timeout=10).status_code
+            except httpx.HTTPError as e:
+                answers[path] = type(e).__name__
+        return StartAttempt(got.get("status"), str(got.get("message", "")), list(got.get("replicas", [])), answers, time.monotonic() - t0)
+    finally:
+        app.__exit__(None, None, None)

@@ -16,7 +16,8 @@ The target is about time to first token (TTFT, first content chunk at the client
 target_s = SLO_FACTOR x the fixed phase's unloaded TTFT. The adaptive ingress is given
 CONTROL_FRACTION x target_s: AIMD probes one step over its target once per cycle, so it aims
 under the SLO it is judged by. Per phase:
-  goodput    200s with TTFT <= target_s and no in-stream error, per second of load (first
+  goodput    200s with TTFT <= target_s and a complete stream (judge_stream: content, one
+             finish_reason, [DONE], no error event), per second of load (first
              request to last answer);
   admitted   every request not refused with 429: a 200 counts its TTFT; a 503, an in-stream
              error, a cut or a connection failure counts as +inf (failures are not dropped);
@@ -45,6 +46,7 @@ import httpx
 from baton.bench.cluster import RunningApp
 from baton.bench.reliability_client import CaseResult, chat_body
 from baton.bench.reliability_load import Limits, long_prompt
+from baton.bench.reliability_verdict import StreamSeen, judge_stream
 
 CALIBRATION_PROBES = 5
 SLO_FACTOR = 3.0
@@ -64,7 +66,7 @@ class Shot:
     status: int | None
     ttft_s: float | None  # first content chunk
     e2e_s: float
-    error: str | None  # in-stream error type, "cut" (past the deadline), or the exception's name
+    error: str | None  # in-stream error type, "cut" (past the deadline), the exception's name, or judge_stream's first problem
     retry_after: str | None = None
 
     @property
@@ -81,10 +83,13 @@ class Shot:
 
 
 def shot(http: httpx.Client, url: str, key: str, deadline: float) -> Shot:
-    body = {**chat_body(long_prompt(PROMPT_WORDS), MAX_TOKENS), "stream": True}
+    """One streamed request; a 200 counts as ok only if its stream passes judge_stream (content,
+    one finish_reason, [DONE], no error event); otherwise `error` says what was wrong."""
+    body = {**chat_body(long_prompt(PROMPT_WORDS), MAX_TOKENS, ignore_eos=True), "stream": True}
     t0 = time.monotonic()
     ttft: float | None = None
     err: str | None = None
+    seen = StreamSeen()
     timeout = httpx.Timeout(10.0, read=max(1.0, deadline - t0))
     try:
         with http.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=timeout) as r:
@@ -95,17 +100,17 @@ def shot(http: httpx.Client, url: str, key: str, deadline: float) -> Shot:
                 if time.monotonic() > deadline:
                     err = "cut"
                     break
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                ev = json.loads(line[6:])
-                if "error" in ev:
-                    err = str((ev["error"] or {}).get("type") or "error")
-                elif ttft is None and any((c.get("delta") or {}).get("content") for c in ev.get("choices", [])):
+                if seen.feed(line) is not None and ttft is None:
                     ttft = time.monotonic() - t0
     except httpx.TimeoutException:
         return Shot(None, ttft, time.monotonic() - t0, "cut")
     except httpx.HTTPError as e:
         return Shot(None, ttft, time.monotonic() - t0, type(e).__name__)
+    if err is None and seen.errors:
+        err = str(seen.errors[0].get("type") or "error")
+    elif err is None:
+        verdict = judge_stream(200, seen)
+        err = None if verdict.ok else verdict.problems[0]
     return Shot(200, ttft, time.monotonic() - t0, err)
 
 

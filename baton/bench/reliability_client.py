@@ -6,16 +6,24 @@ Error classes: 2xx, 4xx (any 400-499 but 429), 429, 503, 5xx (any other status >
 error), connection (no HTTP answer). `server_errors` of the bench: the 5xx class of every request
 it sends (all should succeed or be refused with 4xx/429/503), plus, in the bad-input cases, a 503
 for a request that should have been a 4xx (it tells the client to retry what can never succeed).
+
+A streamed answer is judged by one rule (reliability_verdict.judge_stream): 200, content, one
+finish_reason, [DONE], no error event; a stream cut without [DONE] is retryable, like a dropped
+connection (class `stream_cut`).
 """
 from __future__ import annotations
 
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from baton.bench.reliability_verdict import CaseResult as CaseResult  # re-exported: the cases import it from here
+from baton.bench.reliability_verdict import StreamSeen, StreamVerdict, judge_stream
 
 TIMEOUT_S = 300.0
 
@@ -30,16 +38,27 @@ class Answer:
     headers: dict[str, str]
     seconds: float
     stream_error: dict[str, Any] | None = None  # an in-stream error event after a 200
+    stream: StreamSeen | None = None  # set for a streamed answer: what the client read
+
+    @property
+    def verdict(self) -> StreamVerdict | None:
+        """judge_stream's verdict for a streamed answer (None: not streamed)."""
+        return judge_stream(self.status, self.stream) if self.stream is not None else None
 
     @property
     def ok(self) -> bool:
-        return self.status == 200 and self.stream_error is None
+        if self.status != 200 or self.stream_error is not None:
+            return False
+        v = self.verdict
+        return v is None or v.ok
 
     @property
     def retryable(self) -> bool:
         if self.status in (None, 429, 503):
             return True
-        return self.stream_error is not None and self.stream_error.get("type") == "service_unavailable"
+        if self.stream_error is not None:
+            return self.stream_error.get("type") == "service_unavailable"
+        return self.status == 200 and self.stream is not None and self.stream.cut
 
     @property
     def error_code(self) -> str | None:
@@ -78,6 +97,8 @@ class Tally:
             if a.stream_error.get("type") != "service_unavailable":
                 self.classes["5xx"] += 1  # an in-stream internal error is a server error
                 self.server_error_samples.append(f"{what}: in-stream {a.stream_error}"[:300])
+        elif a.status == 200 and a.stream is not None and not a.ok:
+            self.classes["stream_cut" if a.stream.cut else "stream_bad"] += 1
         if error_class(a.status) == "5xx":
             self.server_error_samples.append(f"{what}: {a.status} {a.text[:200]}")
         return a
@@ -98,7 +119,7 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    def request(self, method: str, path: str, *, key: str | None = None, json_body: Any = None, content: bytes | None = None,
+    def request(self, method: str, path: str, *, key: str | None = None, json_body: Any = None, content: Any = None,
                 headers: dict[str, str] | None = None, params: dict[str, Any] | None = None, what: str = "") -> Answer:
         h = dict(headers or {})
         if key is not None:
@@ -116,48 +137,40 @@ class Client:
             body = None
         return self.tally.add(Answer(r.status_code, body, r.text, dict(r.headers), time.monotonic() - t0), what or path)
 
-    def stream_chat(self, body: dict[str, Any], *, key: str | None, sid: str | None, on_first_token: Any = None, what: str = "") -> Answer:
-        """A streaming chat request, read to the end; on_first_token() is called once the first
-        content chunk arrives (fault injection hooks in there)."""
-        h = {"authorization": f"Bearer {key}"} if key else {}
+    def stream_chat(self, body: dict[str, Any], *, key: str | None, sid: str | None, on_chunk: Callable[[int, dict[str, str]], None] | None = None,
+                    what: str = "", headers: dict[str, str] | None = None) -> Answer:
+        """A streaming chat request, read to the end. on_chunk(n, response headers) is called after
+        the n-th content chunk (fault injection hooks in there). The answer's `stream` is what was
+        read; its body mirrors a non-streamed one (choices[0].message.content, usage)."""
+        h = dict(headers or {})
+        if key:
+            h["authorization"] = f"Bearer {key}"
         if sid:
             h["x-session-id"] = sid
         t0 = time.monotonic()
-        texts: list[str] = []
-        usage: dict[str, Any] | None = None
-        err: dict[str, Any] | None = None
+        seen = StreamSeen()
+        resp_headers: dict[str, str] = {}
         try:
             with self._http.stream("POST", f"{self.url}/v1/chat/completions", json={**body, "stream": True,
                                    "stream_options": {"include_usage": True}}, headers=h) as r:
-                headers = dict(r.headers)
+                resp_headers = dict(r.headers)
                 if r.status_code != 200:
                     raw = r.read().decode(errors="replace")
                     try:
                         parsed = json.loads(raw)
                     except ValueError:
                         parsed = None
-                    return self.tally.add(Answer(r.status_code, parsed, raw, headers, time.monotonic() - t0), what)
-                fired = False
+                    return self.tally.add(Answer(r.status_code, parsed, raw, resp_headers, time.monotonic() - t0), what)
                 for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    ev = json.loads(line[6:])
-                    if "error" in ev:
-                        err = ev["error"]
-                        continue
-                    if ev.get("usage"):
-                        usage = ev["usage"]
-                    for c in ev.get("choices", []):
-                        t = (c.get("delta") or {}).get("content")
-                        if t:
-                            texts.append(t)
-                            if not fired and on_first_token is not None:
-                                fired = True
-                                on_first_token()
+                    if seen.feed(line) is not None and on_chunk is not None:
+                        on_chunk(len(seen.texts), resp_headers)
         except httpx.HTTPError as e:
-            return self.tally.add(Answer(None, None, f"{type(e).__name__}: {e}", {}, time.monotonic() - t0), what)
-        body_out = {"choices": [{"message": {"role": "assistant", "content": "".join(texts)}}], "usage": usage}
-        return self.tally.add(Answer(200, body_out, "".join(texts), headers, time.monotonic() - t0, stream_error=err), what)
+            if not seen.texts:  # nothing arrived: a connection failure
+                return self.tally.add(Answer(None, None, f"{type(e).__name__}: {e}", resp_headers, time.monotonic() - t0), what)
+            # cut mid-stream: a 200 whose stream never finished (seen.cut)
+        body_out = {"choices": [{"message": {"role": "assistant", "content": seen.text},
+                                 "finish_reason": seen.finish_reasons[-1] if seen.finish_reasons else None}], "usage": seen.usage}
+        return self.tally.add(Answer(200, body_out, seen.text, resp_headers, time.monotonic() - t0, stream_error=seen.error, stream=seen), what)
 
 
 @dataclass
@@ -165,6 +178,36 @@ class TurnOutcome:
     answer: Answer
     attempts: int
     lost: bool
+    statuses: list[int | None] = field(default_factory=list)  # every attempt's status, in order
+    no_retry_after: int = 0  # 429/503 answers without a Retry-After header
+
+
+def retry_wait_s(a: Answer, default_s: float = 1.0, cap_s: float = 5.0) -> float:
+    """How long a client waits before retrying `a`: its Retry-After (at most cap_s), else default_s."""
+    try:
+        return max(0.0, min(cap_s, float(a.headers.get("retry-after", default_s))))
+    except ValueError:
+        return default_s
+
+
+def retry_until(send: Callable[[], Answer], deadline_s: float, *, sleep: Callable[[float], None] = time.sleep,
+                clock: Callable[[], float] = time.monotonic) -> TurnOutcome:
+    """send() until it succeeds, retrying retryable answers after their Retry-After, for at most
+    deadline_s; a non-retryable failure ends it at once. Lost: no success by then."""
+    end = clock() + deadline_s
+    statuses: list[int | None] = []
+    missing = 0
+    while True:
+        a = send()
+        statuses.append(a.status)
+        missing += int(a.status in (429, 503) and "retry-after" not in a.headers)
+        if a.ok or not a.retryable:
+            break
+        wait = retry_wait_s(a)
+        if clock() + wait >= end:
+            break
+        sleep(wait)
+    return TurnOutcome(a, len(statuses), not a.ok, statuses, missing)
 
 
 def with_one_retry(send: Any, pause_s: float = 1.0) -> TurnOutcome:
@@ -172,14 +215,10 @@ def with_one_retry(send: Any, pause_s: float = 1.0) -> TurnOutcome:
     retryable. Lost: no 200 after that."""
     a = send()
     if a.ok or not a.retryable:
-        return TurnOutcome(a, 1, not a.ok)
-    try:
-        wait = min(5.0, float(a.headers.get("retry-after", pause_s)))
-    except ValueError:
-        wait = pause_s
-    time.sleep(wait)
+        return TurnOutcome(a, 1, not a.ok, [a.status])
+    time.sleep(retry_wait_s(a, pause_s))
     b = send()
-    return TurnOutcome(b, 2, not b.ok)
+    return TurnOutcome(b, 2, not b.ok, [a.status, b.status])
 
 
 def chat_body(messages: list[dict[str, str]], max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
@@ -200,17 +239,15 @@ def prompt_tokens(a: Answer) -> int:
         return 0
 
 
-@dataclass
-class CaseResult:
-    """One case of the bench: what it checked, whether it held, and its counts."""
+def cached_tokens(a: Answer) -> int:
+    try:
+        return int((a.body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    except (TypeError, KeyError, AttributeError, ValueError):
+        return 0
 
-    name: str
-    category: str  # faults | overload | bad_input | security | soak
-    passed: bool
-    lost_turns: int
-    server_errors: int
-    isolation_leaks: int
-    detail: str
-    seconds: float
-    answers: dict[str, int] = field(default_factory=dict)  # requests by error class
-    figures: dict[str, Any] = field(default_factory=dict)  # measured numbers behind the verdict
+
+def completion_tokens(a: Answer) -> int:
+    try:
+        return int(a.body["usage"]["completion_tokens"])
+    except (TypeError, KeyError, ValueError):
+        return 0

@@ -18,13 +18,16 @@ from baton.bench.reliability_client import (
     Answer,
     CaseResult,
     Client,
+    TurnOutcome,
     chat_body,
     prompt_tokens,
     reply_text,
+    retry_until,
     with_one_retry,
 )
 
 NS = "serve"
+KILL_AFTER_CHUNKS = 3  # a stream's decoder is killed after this many content chunks reached the client
 SYSTEM = "You are a travel assistant. Available tools: " + " ".join(
     f"tool_{i}(city: str, date: str) returns the weather, flights and hotels for a city on a date." for i in range(24))
 
@@ -87,6 +90,31 @@ def wait_whole(c: Client, cl: Cluster, gone: frozenset[str] | set[str] = frozens
 
 
 # ---- a conversation that records where each turn ran --------------------------------------------
+class KillAt:
+    """A stream's on_chunk hook: after its n-th content chunk, kill the decode replica serving it
+    (x-baton-replica), once; then count the chunks that still arrive (a stream interrupted
+    mid-turn has chunks on both sides of the kill)."""
+
+    def __init__(self, after_chunks: int = KILL_AFTER_CHUNKS):
+        self.after = after_chunks
+        self.killed: str | None = None
+        self.chunks_before = 0
+        self.chunks_after = 0
+
+    def __call__(self, n: int, headers: dict[str, str]) -> None:
+        if self.killed is not None:
+            self.chunks_after += 1
+            return
+        victim = headers.get("x-baton-replica")
+        if n >= self.after and victim:
+            kill_actor(replica_actor("decode", victim))
+            self.killed, self.chunks_before = victim, n
+
+    @property
+    def mid_turn(self) -> bool:
+        return self.killed is not None and self.chunks_before >= self.after
+
+
 class Conversation:
     def __init__(self, c: Client, key: str, name: str, system: str = SYSTEM):
         self.c, self.key = c, key
@@ -95,23 +123,38 @@ class Conversation:
         self.replicas: list[str | None] = []
         self.ingresses: list[str | None] = []
         self.prompt_tokens: list[int] = []
+        self.outcomes: list[TurnOutcome] = []
+        self.first_tries: list[Answer] = []  # each turn's first answer (before any retry)
+        self.ended_at: list[float] = []  # monotonic time each turn ended
         self.lost = 0
 
-    def turn(self, text: str, *, stream_hook: Any = None, max_tokens: int = 8) -> Answer:
+    def turn(self, text: str, *, on_chunk: Any = None, max_tokens: int = 8, stream: bool = False,
+             deadline_s: float | None = None) -> Answer:
+        """One user turn. on_chunk: streamed (160 tokens, ignore_eos) with that hook on its first
+        try; stream: streamed, judged by reliability_verdict.judge_stream. Retried once on a
+        retryable failure, or until deadline_s (retry_until) when given."""
         self.messages.append({"role": "user", "content": text})
-        first = [True]
+        tries: list[Answer] = []
 
         def send() -> Answer:
-            if stream_hook is not None and first[0]:
-                first[0] = False
-                body = chat_body(self.messages, max_tokens=160, ignore_eos=True)
-                return self.c.stream_chat(body, key=self.key, sid=self.sid, on_first_token=stream_hook, what=f"{self.sid} stream")
-            return self.c.request("POST", "/v1/chat/completions", key=self.key, json_body=chat_body(self.messages, max_tokens),
-                                  headers={"x-session-id": self.sid}, what=self.sid)
+            first = not tries
+            if on_chunk is not None or stream:
+                # ignore_eos: a streamed turn always has content to judge (and a killed one, tokens after the kill)
+                body = chat_body(self.messages, max_tokens=160 if on_chunk is not None else max_tokens, ignore_eos=True)
+                a = self.c.stream_chat(body, key=self.key, sid=self.sid, on_chunk=on_chunk if first else None, what=f"{self.sid} stream")
+            else:
+                a = self.c.request("POST", "/v1/chat/completions", key=self.key, json_body=chat_body(self.messages, max_tokens),
+                                   headers={"x-session-id": self.sid}, what=self.sid)
+            tries.append(a)
+            return a
 
-        out = with_one_retry(send)
+        out = retry_until(send, deadline_s) if deadline_s is not None else with_one_retry(send)
         self.lost += int(out.lost)
-        self.replicas.append(out.answer.headers.get("x-baton-replica"))
+        self.outcomes.append(out)
+        self.first_tries.append(tries[0])
+        self.ended_at.append(time.monotonic())
+        ok = out.answer.ok
+        self.replicas.append(out.answer.headers.get("x-baton-replica") if ok else None)
         self.ingresses.append(out.answer.headers.get("x-baton-ingress"))
         self.prompt_tokens.append(prompt_tokens(out.answer))
         self.messages.append({"role": "assistant", "content": reply_text(out.answer) or "ok"})
@@ -129,29 +172,28 @@ def _errors(c: Client) -> str:
 
 # ---- cases -----------------------------------------------------------------------------------------
 def pinned_decoder_killed(c: Client, cl: Cluster) -> CaseResult:
-    """Kill the pinned decode replica while it streams turn 2; the turn is retried once, later
-    turns run on another decoder with the whole history (prompt tokens grow), pinned there."""
+    """Kill the pinned decode replica while it streams turn 1, after KILL_AFTER_CHUNKS chunks (so
+    the turn is really interrupted mid-stream); the turn must still complete (resumed by the
+    ingress, or retried once), and turns 2-4 run on one other decoder with the whole history
+    (prompt tokens grow), pinned there."""
     t0 = time.monotonic()
     conv = Conversation(c, cl.key, "decode-kill")
     conv.turn("Turn 0: which city should I visit in May?")
     victim = conv.replicas[0]
-    killed: list[str] = []
-
-    def kill() -> None:
-        if victim:
-            kill_actor(replica_actor("decode", victim))
-            killed.append(victim)
-
-    conv.turn("Turn 1: tell me a long story about that city.", stream_hook=kill)
+    kill = KillAt()
+    conv.turn("Turn 1: tell me a long story about that city.", on_chunk=kill)
+    first = conv.first_tries[1]
     for t in (2, 3, 4):
         conv.turn(f"Turn {t}: and what should I pack?")
     after = conv.replicas[2:]
-    moved = bool(killed) and all(r is not None and r != victim for r in after) and len(set(after)) == 1
+    interrupted = kill.mid_turn and kill.killed == victim and (kill.chunks_after > 0 or first.stream_error is not None)
+    moved = all(r is not None and r != victim for r in after) and len(set(after)) == 1
     grew = all(b > a for a, b in pairwise(conv.prompt_tokens[2:])) and conv.prompt_tokens[2] > conv.prompt_tokens[0]
     healed = wait_whole(c, cl, gone={victim} if victim else set())
-    detail = (f"killed {victim} at turn 1's first token; turns 2-4 on {sorted(set(after))}; prompt tokens per turn {conv.prompt_tokens}; "
-              f"answers {dict(c.tally.classes)}; pool whole again after {healed:.0f}s")
-    return _result("kill pinned decoder mid-stream", c, t0, moved and grew, conv.lost, detail)
+    detail = (f"killed {kill.killed} (the pin: {victim}) after {kill.chunks_before} chunks of turn 1, {kill.chunks_after} chunks after; "
+              f"turn 1's first try: {first.verdict}, attempts {conv.outcomes[1].attempts}; turns 2-4 on {sorted(map(str, set(after)))}; "
+              f"prompt tokens per turn {conv.prompt_tokens}; answers {dict(c.tally.classes)}; pool whole again after {healed:.0f}s")
+    return _result("kill pinned decoder mid-stream", c, t0, interrupted and moved and grew, conv.lost, detail)
 
 
 def prefill_killed_during_handoff(c: Client, cl: Cluster, prompt_words: int = 1500) -> CaseResult:
@@ -194,10 +236,13 @@ def _decode_transfers(c: Client, key: str) -> int:
 
 def memory_store_restarted(c: Client, cl: Cluster) -> CaseResult:
     """Kill the memory-store actor: while Serve replaces it the API answers 503 (never 500), and
-    afterwards every fact is there and a chat that recalls them succeeds."""
+    afterwards every fact is there, and a recalled fact really reaches the prompt: a chat that
+    recalls one fact by id has at least that fact's tokens more prompt than the same chat without
+    memories (a recall that silently injected nothing fails here)."""
     t0 = time.monotonic()
     facts = [f"Fact {i} of the restart case {uuid.uuid4().hex[:6]}: the blue door is number {i}." for i in range(5)]
     add = c.request("POST", "/v1/memories", key=cl.key, json_body={"facts": facts}, what="add facts")
+    ids = [f["id"] for f in add.body["data"]] if add.status == 200 else []
     before = _fact_texts(c, cl.key)
     for name in named_actors("#memory_store#"):
         kill_actor(name)
@@ -213,12 +258,22 @@ def memory_store_restarted(c: Client, cl: Cluster) -> CaseResult:
         time.sleep(1)
     back_s = time.monotonic() - t_kill
     lost_facts = len(set(before) - set(after or []))
-    chat = with_one_retry(lambda: c.request("POST", "/v1/chat/completions", key=cl.key, what="recall after restart", json_body=chat_body(
-        [{"role": "user", "content": "Which number is the blue door?"}], memories={"k": 3})))
-    ok = add.status == 200 and after is not None and lost_facts == 0 and set(facts) <= set(after or [])
+    probe = 2
+    messages = [{"role": "system", "content": "Answer in a few words."}, {"role": "user", "content": "Which number is the blue door?"}]
+    fact_tokens = prompt_tokens(c.request("POST", "/v1/completions", key=cl.key, json_body={"prompt": facts[probe], "max_tokens": 1},
+                                          what="fact's tokens"))
+    plain = with_one_retry(lambda: c.request("POST", "/v1/chat/completions", key=cl.key, what="chat without memories",
+                                             json_body=chat_body(messages)))
+    recall = with_one_retry(lambda: c.request("POST", "/v1/chat/completions", key=cl.key, what="recall by id after restart",
+                                              json_body=chat_body(messages, memories={"ids": ids[probe:probe + 1]})))
+    grew = prompt_tokens(recall.answer) - prompt_tokens(plain.answer)
+    # in-line tokenization may merge a token at the fact's edges: 2 tokens of slack on a ~25-token fact
+    reached = bool(ids) and fact_tokens > 0 and recall.answer.ok and plain.answer.ok and grew >= fact_tokens - 2
+    ok = add.status == 200 and after is not None and lost_facts == 0 and set(facts) <= set(after or []) and reached
     detail = (f"{len(before)} facts before, {len(after or [])} after, {lost_facts} lost; store back after {back_s:.0f}s; "
-              f"answers while down {sorted(set(map(str, statuses)))}; recall chat {chat.answer.status}")
-    return _result("restart memory-store actor", c, t0, ok, int(chat.lost), detail)
+              f"answers while down {sorted(set(map(str, statuses)))}; recall of fact {probe} by id: {recall.answer.status}, prompt "
+              f"{prompt_tokens(plain.answer)} -> {prompt_tokens(recall.answer)} tokens (+{grew}; the fact alone is {fact_tokens})")
+    return _result("restart memory-store actor", c, t0, ok, int(recall.lost) + int(plain.lost), detail)
 
 
 def _fact_texts(c: Client, key: str) -> list[str]:

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import subprocess
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from baton.bench.reliability_client import Answer, CaseResult, Client, chat_body
+from baton.bench.reliability_client import Answer, CaseResult, Client, Tally, chat_body
 from baton.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -47,15 +49,15 @@ def bad_requests(model: str) -> list[BadRequest]:
                    content=b'{"messages": [{"role": "user", "content": "caf\xe9 \xff\xfe"}]}'),
         BadRequest("non-JSON body", "POST", "/v1/chat/completions", 400, "invalid_json", content=b"this is not json {"),
         BadRequest("JSON but not an object", "POST", "/v1/completions", 400, "invalid_json", content=b"[1, 2, 3]"),
-        # issue 11: a lone surrogate was a 500 (tokenizer) / 503 (memory store); a 10 MB body was tokenized for seconds
+        # issue 11: a lone surrogate was a 500 (tokenizer) / 503 (memory store); the 10 MB body has its own case (big_body_refused)
         BadRequest("lone surrogate in chat", "POST", "/v1/chat/completions", 400, "invalid_json",
                    content=b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 4}'),
         BadRequest("lone surrogate in completion", "POST", "/v1/completions", 400, "invalid_json",
                    content=b'{"prompt": "a \\udfff b", "max_tokens": 4}'),
         BadRequest("lone surrogate in memories", "POST", "/v1/memories", 400, "invalid_json",
                    content=b'{"facts": ["\\ud800"]}'),
-        BadRequest("10 MB body", "POST", "/v1/chat/completions", 413, "request_too_large",
-                   content=b'{"messages": [{"role": "user", "content": "' + b"word " * 2_000_000 + b'"}]}'),
+        BadRequest("lone surrogate in a JSON key", "POST", "/v1/chat/completions", 400, "invalid_json",
+                   content=b'{"messages": [{"role": "user", "content": "hi", "\\udc00": 1}], "max_tokens": 4}'),
         BadRequest("unknown model", "POST", "/v1/chat/completions", 404, "model_not_found",
                    json_body={"model": "gpt-imaginary", "messages": user, "max_tokens": 4}),
         BadRequest("bad sampling value", "POST", "/v1/chat/completions", 400, "invalid_value",
@@ -79,6 +81,38 @@ def bad_requests(model: str) -> list[BadRequest]:
     ]
 
 
+def big_body_refused(c: Client, key: str, max_body_bytes: int) -> CaseResult:
+    """A 10 MB chat body → 413 `request_too_large` in < 1 s, refused from its Content-Length (and
+    a chunked one, without Content-Length, read only up to the limit), while a small request sent
+    at the same moment is answered as fast as alone (<= 2 x its unloaded median + 2 s)."""
+    t0 = time.monotonic()
+    small = chat_body([{"role": "user", "content": "Say hi."}], 4)
+    alone = [c.request("POST", "/v1/chat/completions", key=key, json_body=small, what="small alone") for _ in range(3)]
+    base_s = statistics.median(a.seconds for a in alone)
+    big = b'{"messages": [{"role": "user", "content": "' + b"word " * 2_000_000 + b'"}]}'
+    beside: dict[str, Answer] = {}
+    c_small = Client(c.url, Tally())  # its own connection and tally (another thread)
+    th = threading.Thread(target=lambda: beside.setdefault("a", c_small.request("POST", "/v1/chat/completions", key=key, json_body=small,
+                                                                                 what="small beside 10 MB")))
+    th.start()
+    refused = c.request("POST", "/v1/chat/completions", key=key, content=big, what="10 MB body")
+    chunked = c.request("POST", "/v1/chat/completions", key=key, content=iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)]),
+                        what="10 MB chunked body")
+    th.join()
+    c_small.close()
+    side = beside.get("a")
+    c.tally.classes.update(c_small.tally.classes)
+    c.tally.server_error_samples += c_small.tally.server_error_samples
+    side_ok = side is not None and side.ok and side.seconds <= 2 * base_s + 2.0
+    want = all(a.status == 413 and a.error_code == "request_too_large" and a.openai_error() for a in (refused, chunked))
+    ok = want and refused.seconds < 1.0 and chunked.seconds < 2.0 and all(a.ok for a in alone) and side_ok
+    detail = (f"{len(big) / 1e6:.1f} MB body (limit {max_body_bytes}): {refused.status} {refused.error_code} in {refused.seconds:.2f}s; "
+              f"chunked: {chunked.status} {chunked.error_code} in {chunked.seconds:.2f}s; a small request beside it "
+              f"{side.status if side else None} in {side.seconds if side else float('nan'):.2f}s (alone: median {base_s:.2f}s)")
+    return CaseResult("bad input: 10 MB body (413 in < 1 s, others unaffected)", "bad_input", ok, 0, c.tally.server_errors, 0, detail,
+                      time.monotonic() - t0, dict(c.tally.classes))
+
+
 def run_bad_request(c: Client, key: str, b: BadRequest) -> CaseResult:
     t0 = time.monotonic()
     a = c.request(b.method, b.path, key=key, json_body=b.json_body, content=b.content, headers=b.headers, what=b.name)
@@ -91,60 +125,6 @@ def run_bad_request(c: Client, key: str, b: BadRequest) -> CaseResult:
     fives = sum(1 for k in ("5xx", "503") for _ in range(c.tally.classes[k]))
     return CaseResult(f"bad input: {b.name}", "bad_input", ok and not traced, 0, fives, 0,
                       f"expect {b.status} {b.code or ''}; got {detail}", time.monotonic() - t0, dict(c.tally.classes))
-
-
-# ---- WebSocket ---------------------------------------------------------------------------------
-def malformed_ws_frames(ws_url: str, key: str) -> CaseResult:
-    """Each malformed frame gets an error frame and a 1007/1008 close; no key is refused (1008)."""
-    from websockets.exceptions import ConnectionClosed, InvalidStatus
-    from websockets.sync.client import connect
-
-    t0 = time.monotonic()
-    auth = {"Authorization": f"Bearer {key}"}
-    seen: list[str] = []
-    ok = True
-    for frame, want_code, want_close in (("not json", "invalid_frame", 1007), (json.dumps({"type": "input"}), "invalid_frame", 1008),
-                                         (json.dumps({"type": "session.start", "max_tokens": 10_000}), "invalid_value", 1008),
-                                         (b"\x00\xff binary", "invalid_frame", 1007), (json.dumps([1, 2]), "invalid_frame", 1008)):
-        got_code = got_close = None
-        try:
-            with connect(ws_url, open_timeout=30, additional_headers=auth) as ws:
-                ws.send(frame)
-                err = json.loads(ws.recv(timeout=30))
-                got_code = err.get("code") if err.get("type") == "error" else f"not an error: {err}"
-                try:
-                    ws.recv(timeout=30)
-                except ConnectionClosed as e:
-                    got_close = e.rcvd.code if e.rcvd else None
-        except Exception as e:  # noqa: BLE001 - reported
-            got_code = f"{type(e).__name__}"
-        seen.append(f"{frame[:20]!r}->{got_code}/{got_close}")
-        ok &= got_code == want_code and got_close == want_close
-    try:  # a binary frame in the middle of a started session
-        with connect(ws_url, open_timeout=30, additional_headers=auth) as ws:
-            ws.send(json.dumps({"type": "session.start", "max_tokens": 4}))
-            started = json.loads(ws.recv(timeout=120))
-            ws.send(b"\x00\x01")
-            mid = json.loads(ws.recv(timeout=60))
-            seen.append(f"mid-session binary->{mid.get('code')} (started: {started.get('type')})")
-            ok &= started.get("type") == "session.started" and mid.get("code") == "invalid_frame"
-    except Exception as e:  # noqa: BLE001
-        seen.append(f"mid-session: {type(e).__name__}: {e}")
-        ok = False
-    close = None
-    try:  # no API key: refused with a policy close
-        with connect(ws_url, open_timeout=30) as ws:
-            ws.send(json.dumps({"type": "session.start"}))
-            ws.recv(timeout=30)
-    except ConnectionClosed as e:
-        close = e.rcvd.code if e.rcvd else None
-    except InvalidStatus as e:  # the handshake itself refused (closed before accept: HTTP 403)
-        close = f"HTTP {e.response.status_code}"
-    except Exception as e:  # noqa: BLE001 - reported
-        close = type(e).__name__
-    seen.append(f"no key->{close}")
-    ok &= close in (1008, "HTTP 401", "HTTP 403")
-    return CaseResult("bad input: malformed WebSocket frames", "bad_input", ok, 0, 0, 0, "; ".join(seen), time.monotonic() - t0)
 
 
 # ---- schemathesis -------------------------------------------------------------------------------
@@ -319,19 +299,24 @@ def marker_absent(marker: str, log_dirs: list[Path], metrics_url: str | None, c:
                 hits.append(f"{p}: ...{data[max(0, i - 120):i + 40].decode(errors='replace')}...")
     metrics_note = "metrics: not checked (no Ray metrics export port)"
     metric_hits = 0
+    metrics_checked = False  # the metrics half looked at Baton's series
     if metrics_url:
         import httpx
 
         try:
-            text = httpx.get(metrics_url, timeout=30).text
+            r = httpx.get(metrics_url, timeout=30)
+            r.raise_for_status()
+            text = r.text
             n_baton = len(re.findall(r"^ray_baton_|^baton_", text, flags=re.MULTILINE))
             metric_hits = text.count(marker)
             metrics_note = f"metrics: {len(text)} bytes, {n_baton} baton series lines, marker {metric_hits}x"
+            metrics_checked = n_baton > 0
             if n_baton == 0:
-                metrics_note += " (no baton series exported yet: that half proves little)"
+                metrics_note += " (no baton series exported: that half looked at nothing)"
         except Exception as e:  # noqa: BLE001
             metrics_note = f"metrics: {metrics_url} unreachable ({type(e).__name__})"
-    ok = not hits and metric_hits == 0 and files > 0
+    # a half that could not look is a failure, not a pass: unreachable metrics, or metrics without Baton's series
+    ok = not hits and metric_hits == 0 and files > 0 and metrics_checked
     detail = f"{files} log files grepped, marker found in {len(hits)}: {hits[:2]}; {metrics_note}"
     return CaseResult("no prompt text in logs or metrics", "security", ok, 0, 0, len(hits) + metric_hits, detail, time.monotonic() - t0)
 

@@ -26,9 +26,15 @@ def chunk(text: str) -> dict[str, object]:
 
 
 def test_a_streamed_answer_gives_its_ttft_an_error_event_makes_it_a_failure() -> None:
-    good = shot(client(200, sse({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, chunk("hi"), "[DONE]")),
+    good = shot(client(200, sse({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, chunk("hi"),
+                                {"choices": [{"delta": {}, "finish_reason": "length"}]}, "[DONE]")),
                 "http://x", "k", time.monotonic() + 5)
     assert good.ok and good.ttft_s is not None and good.latency() == good.ttft_s
+    # a stream counts only when complete (reliability_verdict.judge_stream): no finish_reason, or no [DONE], is a failure
+    unfinished = shot(client(200, sse(chunk("hi"), "[DONE]")), "http://x", "k", time.monotonic() + 5)
+    assert not unfinished.ok and unfinished.error == "no finish_reason" and unfinished.latency() == math.inf
+    cut = shot(client(200, sse(chunk("hi"), {"choices": [{"delta": {}, "finish_reason": "length"}]})), "http://x", "k", time.monotonic() + 5)
+    assert not cut.ok and cut.error == "no [DONE]"
     broken = shot(client(200, sse(chunk("hi"), {"error": {"type": "service_unavailable"}}, "[DONE]")), "http://x", "k", time.monotonic() + 5)
     assert not broken.ok and broken.error == "service_unavailable" and broken.latency() == math.inf
     refused = shot(client(429, b'{"error": {}}', {"retry-after": "1"}), "http://x", "k", time.monotonic() + 5)
