@@ -107,6 +107,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
             # decoder choice weighs KV occupancy 1.0 and sees no queued prefill tokens (as before the
             # scorers were merged); kv_weight / prefill_token_weight tune the Serve router's ranking
             weights=LoadWeights(pin_weight=r.pin_weight, queue_weight=r.queue_weight, kv_weight=1.0),
+            # a restarted directory gets its pins back from the decoders' reports: give them two periods
+            rebuild_grace_s=2.0 * cfg.decode.routing_stats_period_s,
         ),
         r.resolved_ownership_db_path(PROJECT_ROOT),
     )

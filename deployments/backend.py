@@ -21,7 +21,7 @@ from baton.engine.types import ConversationNotFound, EngineRequestError, EngineU
 from deployments.metrics import ResumeMetrics
 from deployments.resume import ResumeOutcome, ResumePlan, client_delta, finish_delta, plan_resume
 from deployments.turn_placement import Placement
-from router.directory_state import ForeignConversation
+from router.directory_state import ForeignConversation, PinsRebuilding
 from router.policy import NoReplicaAvailable
 
 logger = logging.getLogger("ray.serve")
@@ -184,6 +184,8 @@ class PoolBackend:
             cause = getattr(e, "cause", None) or e
             if isinstance(cause, ForeignConversation):
                 raise ConversationNotFound(request.session_id) from None
+            if isinstance(cause, PinsRebuilding):
+                raise EngineUnavailable("the conversation directory restarted and is restoring this conversation's decoder; retry shortly") from None
             if request.session_id and not isinstance(cause, NoReplicaAvailable):
                 logger.warning("conversation directory could not check %s (%s); refusing the turn", request.request_id, type(e).__name__)
                 raise EngineUnavailable(

@@ -29,6 +29,12 @@ from router.report import ReplicaReport
 from router.scoring import LoadWeights, ReplicaLoad
 
 
+class PinsRebuilding(RuntimeError):
+    """A conversation this directory has never pinned came back within its first
+    `rebuild_grace_s`: its decoder's report (which would restore its pin) may not have arrived
+    yet, so placing it now could move it (a second handoff). Answered 503 + Retry-After."""
+
+
 class ForeignConversation(LookupError):
     """The session id names a conversation opened by another user (answered like an unknown one)."""
 
@@ -59,6 +65,9 @@ class DirectorySettings:
     stale_after_s: float = 10.0  # a replica silent this long is not live
     weights: LoadWeights = field(default_factory=LoadWeights)
     max_conversations: int = 1_000_000
+    # after a (re)start, how long an existing conversation without a pin waits for the decoders'
+    # reports to restore it (about two report periods); 0 places it at once
+    rebuild_grace_s: float = 0.0
 
 
 class DirectoryState:
@@ -66,6 +75,7 @@ class DirectoryState:
         """`owners`: the durable ownership store (default: an in-memory one, for tests)."""
         self.settings = settings
         self._owners = owners if owners is not None else KnownOwners(OwnershipStore(":memory:"))
+        self._born: float | None = None  # the first report or turn this directory saw (its start)
         self._replicas: dict[str, Reported] = {}
         self._failed: dict[str, float] = {}  # replica -> when it failed
         self._pins: dict[str, Pin] = {}
@@ -76,6 +86,8 @@ class DirectoryState:
 
     # ---- replicas ------------------------------------------------------------------------
     def report(self, report: ReplicaReport, now: float) -> None:
+        if self._born is None:
+            self._born = now
         replica_id = report.replica_id
         failed_at = self._failed.get(replica_id)
         if failed_at is not None and now - failed_at <= self.settings.stale_after_s:
@@ -142,11 +154,17 @@ class DirectoryState:
         the ownership store (server-made ids of real-time sessions: their connection is the key)."""
         s = self.settings
         session_id = session_id or None
-        if owned and session_id is not None and self._owners.claim(session_id, user) is Claim.FOREIGN:
+        claim = self._owners.claim(session_id, user) if owned and session_id is not None else None
+        if claim is Claim.FOREIGN:
             # a conversation belongs to the user who opened it; to anyone else it does not exist
             self.totals["foreign_session_refused"] += 1
             raise ForeignConversation(session_id)
         pin = self._pins.get(session_id) if session_id else None
+        if self._born is None:
+            self._born = now
+        if pin is None and claim is Claim.OWNED and now - self._born < s.rebuild_grace_s:
+            self.totals["rebuild_wait_refused"] += 1
+            raise PinsRebuilding(session_id)
         plan = plan_turn(
             s.policy,
             pinned=pin.decoder if pin else None,

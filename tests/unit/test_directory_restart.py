@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from directory_fixtures import TTL, MakeState, make_state, rep, up
 
-from router.directory_state import DirectorySettings, DirectoryState, ForeignConversation
+from router.directory_state import DirectorySettings, DirectoryState, ForeignConversation, PinsRebuilding
 from router.ownership import Claim, KnownOwners, OwnershipStore
 from router.policy import TurnPlan
 
@@ -173,3 +173,43 @@ def test_server_made_realtime_sessions_are_pinned_but_never_written_to_the_store
     assert state.route("rt-1", None, 10, now=1.0, owned=False) == TurnPlan(first.decode_replica, remote_prefill=False, reason="pinned")
     assert store.count() == 0
     state.check_integrity()
+
+
+def test_a_returning_conversation_waits_for_its_decoders_report_instead_of_moving(tmp_path: Path) -> None:
+    """Right after a restart one decoder has reported and the other has not: a conversation whose
+    decoder is the silent one is refused (503 + Retry-After upstream) until the report restores
+    its pin, instead of being placed anew (a second handoff). New conversations are not held."""
+    path = tmp_path / "conversations.sqlite3"
+    first = restarted(path)
+    up(first, 0.0, "d0", "d1")
+    plans = {sid: first.route(sid, "ana", 100, now=0.0) for sid in ("a", "b", "c", "d")}
+    on_d1 = [sid for sid, p in plans.items() if p.decode_replica == "d1"]
+    assert on_d1, plans
+    held = {d: tuple((sid, 1.0) for sid, p in plans.items() if p.decode_replica == d) for d in ("d0", "d1")}
+
+    second = DirectoryState(DirectorySettings(policy="conversation", conversation_ttl_s=TTL, rebuild_grace_s=2.0),
+                            KnownOwners(OwnershipStore(path)))
+    second.report(rep("d0", "decode", conversations=held["d0"]), 10.0)  # d1 has not reported yet
+    second.report(rep("p0", "prefill"), 10.0)
+    with pytest.raises(PinsRebuilding):
+        second.route(on_d1[0], "ana", 150, now=10.5)
+    assert second.route("brand-new", "ana", 150, now=10.5).reason == "new"  # nothing to wait for
+    with pytest.raises(ForeignConversation):  # ownership is still checked first
+        second.route(on_d1[0], "bob", 150, now=10.5)
+    second.report(rep("d1", "decode", conversations=held["d1"]), 11.0)
+    assert second.route(on_d1[0], "ana", 150, now=11.2) == TurnPlan("d1", remote_prefill=False, reason="pinned")
+    assert second.totals["rebuild_wait_refused"] == 1
+    second.check_integrity()
+
+
+def test_after_the_grace_a_conversation_nobody_reported_is_placed_anew(tmp_path: Path) -> None:
+    path = tmp_path / "conversations.sqlite3"
+    first = restarted(path)
+    up(first, 0.0, "d0")
+    first.route("gone", "ana", 100, now=0.0)
+    second = DirectoryState(DirectorySettings(policy="colocated", conversation_ttl_s=TTL, rebuild_grace_s=2.0),
+                            KnownOwners(OwnershipStore(path)))
+    up(second, 10.0, "d1", prefill=())  # the decoder that held it is gone
+    with pytest.raises(PinsRebuilding):
+        second.route("gone", "ana", 100, now=11.0)
+    assert second.route("gone", "ana", 100, now=12.5) == TurnPlan("d1", remote_prefill=False, reason="new")

@@ -65,3 +65,13 @@ def test_a_directory_without_live_decoders_has_checked_the_owner_so_the_turn_is_
     decode, prefill = pools()
     got = asyncio.run(collect(PoolBackend(decode, prefill, FakeDirectory(errors={"route": error})), request("conv")))
     assert len(got) == 2 and decode.sent[0].target_replica is None and prefill.sent == []
+
+
+def test_a_conversation_waiting_for_its_pin_after_a_directory_restart_is_a_503() -> None:
+    from router.directory_state import PinsRebuilding
+
+    decode, prefill = pools()
+    backend = PoolBackend(decode, prefill, FakeDirectory(errors={"route": in_replica(PinsRebuilding("conv"))}))
+    with pytest.raises(EngineUnavailable, match="restoring this conversation's decoder"):
+        asyncio.run(collect(backend, request("conv")))
+    assert decode.sent == [] and prefill.sent == []
