@@ -46,7 +46,7 @@ import httpx
 from baton.bench.cluster import RunningApp
 from baton.bench.reliability_client import CaseResult, chat_body
 from baton.bench.reliability_load import Limits, long_prompt
-from baton.bench.reliability_verdict import StreamSeen, judge_stream
+from baton.bench.reliability_verdict import StreamSeen, jsonable, judge_stream
 
 CALIBRATION_PROBES = 5
 SLO_FACTOR = 3.0
@@ -290,7 +290,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
                   rel.bench_args(work / "memories.sqlite3"), rel.KEYS["alice"], Limits(rel.INGRESS_REPLICAS, rel.MAX_INFLIGHT),
                   45 if quick else 120, f"http://127.0.0.1:{rel.METRICS_PORT}/metrics")
     report = {"quick": quick, "case": asdict(res)}
-    (out_dir / "admission.json").write_text(json.dumps(report, indent=2, default=str))
+    (out_dir / "admission.json").write_text(json.dumps(jsonable(report), indent=2, default=str))
     print(f"[admission] {'PASS' if res.passed else 'FAIL'}: {res.detail}")
     ratio = res.figures.get("goodput_ratio", math.nan)
     a = res.figures.get("adaptive", {})

@@ -197,3 +197,13 @@ def metric_sum(text: str, metric: str, **labels: str) -> float:
             except ValueError:
                 continue
     return total
+
+
+def jsonable(x: Any) -> Any:
+    """JSON has string keys only: figures keyed by tuples (e.g. per (replica, pool)) keep their
+    meaning as 'a|b' strings."""
+    if isinstance(x, dict):
+        return {("|".join(map(str, k)) if isinstance(k, tuple) else k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
