@@ -8,6 +8,8 @@ import copy
 import os
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +92,28 @@ def baton_url() -> Any:
         yield url
     finally:
         stop_app()
+
+
+@contextmanager
+def keyed_app(args: dict[str, Any], keys_env: str, keys: str, ownership_db: Path) -> Iterator[str]:
+    """An app with API keys on (`keys` in the variable `keys_env`, set before `ray.init` so Ray's
+    processes inherit it) and a fresh ownership store (earlier runs' session ids own nothing)."""
+    args = {**args, "ingress": {**args["ingress"], "api_keys_env": keys_env},
+            "routing": {**args.get("routing", {}), "ownership_db_path": str(ownership_db)}}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(keys_env, keys)
+        try:
+            url = start_app(args)
+        except BaseException:
+            import ray
+
+            if ray.is_initialized():
+                stop_app()  # later modules start their own Ray
+            raise
+        try:
+            yield url
+        finally:
+            stop_app()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

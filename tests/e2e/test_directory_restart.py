@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from baton.bench.reliability_faults import kill_actor, named_actors
-from tests.e2e.conftest import e2e_args, start_app, stop_app
+from tests.e2e.conftest import e2e_args, keyed_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -39,22 +39,8 @@ REPORT_PERIOD_S = 1.0  # the pools' routing_stats_period_s (deployments/config.p
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     args = e2e_args("conversation", decode_replicas=2, prefill_replicas=1)
-    args["ingress"] = {**args["ingress"], "api_keys_env": KEYS_ENV}
-    args["routing"] = {**args["routing"], "ownership_db_path": str(tmp_path_factory.mktemp("restart") / "conversations.sqlite3")}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(KEYS_ENV, KEYS)  # before ray.init: Ray's processes inherit it
-        try:
-            u = start_app(args)
-        except BaseException:
-            import ray
-
-            if ray.is_initialized():
-                stop_app()
-            raise
-        try:
-            yield u
-        finally:
-            stop_app()
+    with keyed_app(args, KEYS_ENV, KEYS, tmp_path_factory.mktemp("restart") / "conversations.sqlite3") as u:
+        yield u
 
 
 class Conv:

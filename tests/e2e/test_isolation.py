@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import ROOT, e2e_args, start_app, stop_app
+from tests.e2e.conftest import ROOT, e2e_args, keyed_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -50,24 +50,9 @@ HANDOFF_SYSTEM = "You are a museum guide. Collections: " + " ".join(
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     args = e2e_args("conversation", decode_replicas=2, prefill_replicas=1)
-    args["ingress"] = {**args["ingress"], "api_keys_env": KEYS_ENV}
-    # a fresh ownership store: session ids of earlier runs (or other modules) own nothing here
-    args["routing"] = {**args["routing"], "ownership_db_path": str(tmp_path_factory.mktemp("iso") / "conversations.sqlite3")}
     assert args.get("isolation", {}).get("prefix_cache", "tenant") == "tenant"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(KEYS_ENV, KEYS)  # before ray.init: Ray's processes inherit it
-        try:
-            u = start_app(args)
-        except BaseException:
-            import ray
-
-            if ray.is_initialized():
-                stop_app()  # later modules start their own Ray
-            raise
-        try:
-            yield u
-        finally:
-            stop_app()
+    with keyed_app(args, KEYS_ENV, KEYS, tmp_path_factory.mktemp("iso") / "conversations.sqlite3") as u:
+        yield u
 
 
 def _headers(key: str | None, session: str | None = None) -> dict[str, str]:
