@@ -22,7 +22,7 @@ from deployments.metrics import ResumeMetrics
 from deployments.resume import ResumeOutcome, ResumePlan, client_delta, finish_delta, plan_resume
 from deployments.turn_placement import Placement
 from router.directory_state import ForeignConversation, PinsRebuilding
-from router.policy import NoReplicaAvailable
+from router.policy import NoReplicaAvailable, TurnPlan
 
 logger = logging.getLogger("ray.serve")
 
@@ -71,11 +71,12 @@ class PoolBackend:
     `resumes` counts how that went (deployments.metrics.ResumeMetrics). A stream the client
     left is never resumed: closing it cancels the engine request and ends here.
 
-    load_hint: given each plan's `pool_queueing` (the directory's view of the decoders' queues,
-    router/policy.TurnPlan), for the ingress's adaptive admission; no extra directory call."""
+    load_hint: given each plan (its `pool_queueing` and `pool_in_flight`: the directory's view of
+    the pools, router/policy.TurnPlan), for the ingress's adaptive admission; no extra directory
+    call."""
 
     def __init__(self, decode: Any, prefill: Any | None = None, directory: Any | None = None, resumes: ResumeMetrics | None = None,
-                 load_hint: Callable[[bool], None] | None = None):
+                 load_hint: Callable[[TurnPlan], None] | None = None):
         self._decode = decode
         self._prefill = prefill
         self._directory = directory
@@ -194,7 +195,7 @@ class PoolBackend:
             logger.warning("conversation directory could not place %s (%s); placing by load", request.request_id, type(e).__name__)
             return Placement.by_load()
         if self._load_hint is not None:
-            self._load_hint(plan.pool_queueing)
+            self._load_hint(plan)
         return Placement.of(plan, prefill_pool=self._prefill is not None, in_conversation=bool(request.session_id))
 
     async def _remote_prefill(self, request: GenerationRequest) -> dict[str, Any] | None:

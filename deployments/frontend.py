@@ -170,6 +170,15 @@ class OpenAIFrontend:
         return Prepared(endpoint=endpoint, request=req, model=self.model_id, stream=body.stream, include_usage=include_usage)
 
     # ---- generation ----------------------------------------------------------------------------
+    def precheck(self, endpoint: str) -> None:
+        """429 with Retry-After, before the body is even parsed, when no slot is free now (a
+        refusal costs next to nothing); the request is admitted later, by _admit."""
+        try:
+            self._admission.precheck()
+        except APIError as e:
+            self._metrics.request_done(endpoint, e.status)
+            raise
+
     def _admit(self, p: Prepared) -> Ticket:
         """A slot for this request, or 429 with Retry-After (deployments/inflight.py). The ticket
         is handed to whatever ends the request; nothing here counts requests."""

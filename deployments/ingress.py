@@ -59,7 +59,7 @@ class Ingress:
             model_id=settings.model_id,
             renderer=renderer,
             backend=PoolBackend(decode, prefill if settings.disaggregated else None, directory, resumes=self._metrics,
-                                load_hint=self._admission.note_pool_queueing),
+                                load_hint=self._admission.note_pool),
             max_model_len=settings.max_model_len,
             default_max_tokens=settings.default_max_tokens,
             metrics=self._metrics,

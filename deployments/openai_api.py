@@ -124,6 +124,7 @@ def build_openai_app(
         return frontend.models()
 
     async def serve_one(request: Request, endpoint: str, model: type[BaseModel], prepare: Prepare) -> Any:
+        frontend.precheck(endpoint)  # overloaded: 429 before the body is read
         try:
             body = await _parse(request, model)
             bound = _bound_user(request)

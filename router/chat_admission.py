@@ -20,8 +20,11 @@ Refused requests were never admitted and give no sample. Each admitted request g
 
 Control law (`update(now, inflight)`, at most once per `control_period_s`), AIMD as the real-time
 controller in router/admission.py, over the samples of the window (observed at t with
-t >= now - window_s and t >= the last reset; the window is reset whenever the limit changes or a
-drain-hold is taken, so a decision only looks at requests observed under the current limit):
+t >= now - window_s and t >= the last reset; the window is reset whenever the limit changes, a
+drain-hold is taken, or a period did not bind, so a decision only looks at requests observed
+under the current limit, and a growth only at requests observed while it held demand back —
+TTFTs of an ingress with room to spare, such as requests sent one at a time before a burst, say
+nothing about the latency at the limit):
 
     samples < min_samples                       -> hold  too_few_samples
     q = nearest-rank `percentile` of the window (default p99; with few samples that is the max)
@@ -30,26 +33,35 @@ drain-hold is taken, so a decision only looks at requests observed under the cur
     q <= target and limit not binding           -> hold  not_binding
     q <= target and pool_queueing               -> hold  pool_queueing
     q <= target and limit == cap                -> hold  at_limit
-    q * (limit + step) / limit > target         -> hold  no_headroom   (growth_headroom only)
+    c * (limit + step + o_peak) > target        -> hold  no_headroom   (growth_headroom only)
     q <= target                                 -> limit = min(cap, limit + additive_step)
 
-Headroom: when TTFT grows in proportion to the requests in flight (a CPU or GPU shared by every
-admitted prefill), one more request would take q to q * (limit + step) / limit; with
-`growth_headroom` the limit grows only while that prediction is still on target, so it settles
-just under the knee of the latency curve instead of probing over it once per cycle (the classic
-AIMD sawtooth, `growth_headroom: false`, runs one period per cycle over the target: a whole-run
-p99 just above it). Where TTFT is flat in the load (a GPU below its knee) q is far under the
-target and the check never binds. The prediction uses this ingress's limit alone; with several
-ingress replicas sharing the pools TTFT grows by less per request of one ingress, so it errs on
-the side of fewer admissions.
+Headroom: when TTFT grows in proportion to the requests sharing the engines (a CPU or GPU shared
+by every admitted prefill), a sample's TTFT over its concurrency n (the most requests seen
+sharing the pools with it, every ingress's; at least 1) is its cost per request, and c is the
+`percentile` of those costs over the window. Each sample also carries `others`: the most
+requests of other ingress replicas seen in the pools during it; o_peak is the largest in the
+window. At a limit of limit + step this ingress can have limit + step requests in flight beside
+the others' o_peak, so TTFT would reach about c * (limit + step + o_peak); with
+`growth_headroom` the limit grows only while that is still on target, so it settles just under
+the knee of the latency curve instead of probing over it once per cycle (the classic AIMD
+sawtooth, `growth_headroom: false`, runs one period per cycle over the target: a whole-run p99
+just above it). Where TTFT is flat in the load (a GPU below its knee) c is far under the target
+and the check never binds. With one ingress (others 0) and samples taken at the limit, this is
+q * (limit + step) / limit. With several ingress replicas sharing the pools, an ingress whose
+requests ran while another was briefly idle does not take that quiet for headroom: the other's
+requests, seen at any moment of the window, count at their peak.
 
-Binding: at some moment of the period a request arrived with inflight >= limit - 1 (it took the
-last slot or was refused). An idle ingress never raises its limit. `pool_queueing` is the
+Binding: in the period a request was refused (it arrived with inflight >= limit), or the period
+began with the limit full: there was more demand than the limit let in. Taking the last slot is
+not enough: at a limit of 1 every request does, and a client sending one request at a time would
+raise the limit with no demand for a second (then the first burst runs over the target). An idle
+ingress never raises its limit. `pool_queueing` is the
 directory's view (every live decoder reports requests waiting): more admitted requests would only
 wait in the engines' queues, so the limit does not grow then (it can still shrink).
 
 Invariants (`check_integrity`): min_limit <= limit <= cap; window samples sorted by time, none
-before the last reset, none negative.
+before the last reset, none negative, every concurrency >= 1 and every `others` >= 0.
 """
 from __future__ import annotations
 
@@ -136,7 +148,7 @@ class ChatLimiter:
         self.config = config
         self.cap = cap
         self.limit = max(config.min_limit, min(cap, config.initial_limit))
-        self._samples: list[tuple[float, float]] = []  # (observed_at, ttft_s), sorted by time
+        self._samples: list[tuple[float, float, int, int]] = []  # (observed_at, ttft_s, concurrency, others), by time
         self._window_start = now
         self._period_start = now
         self._binding = False
@@ -144,28 +156,41 @@ class ChatLimiter:
     # ---- inputs ---------------------------------------------------------------------------------
 
     def admit(self, inflight: int) -> bool:
-        """May one more request start while `inflight` are in flight? Marks the limit binding when
-        this request would take the last slot or is refused. Does not change the limit."""
+        """May one more request start while `inflight` are in flight? A refusal marks the limit
+        binding. Does not change the limit."""
         if inflight < 0:
             raise ValueError(f"inflight must be >= 0, got {inflight}")
-        if inflight >= self.limit - 1:
+        room = inflight < self.limit
+        if not room:
             self._binding = True
-        return inflight < self.limit
+        return room
 
-    def observe(self, ttft_s: float, now: float) -> None:
-        """One admitted request's TTFT sample (+inf: a miss), observed at `now`."""
+    def observe(self, ttft_s: float, now: float, concurrency: int = 1, others: int = 0) -> None:
+        """One admitted request's TTFT sample (+inf: a miss), observed at `now`; concurrency: the
+        most requests seen sharing the engines with it (>= 1); others: the most of them sent by
+        other ingress replicas (>= 0; see the module docstring)."""
         if math.isnan(ttft_s) or ttft_s < 0:
             raise ValueError(f"a TTFT sample must be >= 0, got {ttft_s}")
+        if concurrency < 1 or others < 0:
+            raise ValueError(f"need concurrency >= 1 and others >= 0, got {concurrency}, {others}")
         if now < self._window_start:
             return  # observed under a previous limit
-        bisect.insort(self._samples, (now, ttft_s))
+        bisect.insort(self._samples, (now, ttft_s, concurrency, others))
 
     # ---- control law ----------------------------------------------------------------------------
 
     def window(self, now: float) -> list[float]:
         """The samples currently in the window (drops the expired ones)."""
         self._prune(now)
-        return [s for _, s in self._samples]
+        return [s for _, s, _, _ in self._samples]
+
+    def headroom(self) -> tuple[float, int] | None:
+        """(c, o_peak) over the window as pruned by the last window() call (None when empty): the
+        `percentile` of TTFT per sharing request, and the most other ingresses' requests seen."""
+        if not self._samples:
+            return None
+        costs = [s / n for _, s, n, _ in self._samples]
+        return nearest_rank(costs, self.config.percentile), max(o for _, _, _, o in self._samples)
 
     def update(self, now: float, inflight: int, pool_queueing: bool = False) -> LimitDecision:
         """Run the law if a control period has elapsed since the last evaluation."""
@@ -179,11 +204,11 @@ class ChatLimiter:
             self.limit = max(self.config.min_limit, math.floor(self.limit * self.config.multiplicative_factor))
         elif action == "increase":
             self.limit = min(self.cap, self.limit + self.config.additive_step)
-        if action != "hold" or reason == "draining":
+        if action != "hold" or reason in ("draining", "not_binding"):
             self._window_start = now
             self._prune(now)
         self._period_start = now
-        self._binding = inflight >= self.limit - 1
+        self._binding = inflight >= self.limit
         return LimitDecision(now, action, reason, before, self.limit, q, len(values), binding)
 
     def _decide(self, q: float | None, samples: int, binding: bool, inflight: int, pool_queueing: bool) -> tuple[Action, Reason]:
@@ -202,21 +227,27 @@ class ChatLimiter:
             return "hold", "pool_queueing"
         if self.limit >= self.cap:
             return "hold", "at_limit"
-        if cfg.growth_headroom and q * (self.limit + cfg.additive_step) / self.limit > cfg.ttft_target_s:
-            return "hold", "no_headroom"
+        if cfg.growth_headroom:
+            head = self.headroom()
+            assert head is not None  # samples >= min_samples >= 1
+            cost, others = head
+            if cost * (self.limit + cfg.additive_step + others) > cfg.ttft_target_s:
+                return "hold", "no_headroom"
         return "increase", "on_target"
 
     def _prune(self, now: float) -> None:
-        cut = bisect.bisect_left(self._samples, (max(self._window_start, now - self.config.window_s), -math.inf))
+        cut = bisect.bisect_left(self._samples, (max(self._window_start, now - self.config.window_s), -math.inf, 0, 0))
         del self._samples[:cut]
 
     def check_integrity(self) -> None:
         if not self.config.min_limit <= self.limit <= self.cap:
             raise AssertionError(f"limit {self.limit} outside [{self.config.min_limit}, {self.cap}]")
-        times = [t for t, _ in self._samples]
+        times = [t for t, _, _, _ in self._samples]
         if times != sorted(times):
             raise AssertionError("window samples not sorted by time")
         if times and times[0] < self._window_start:
             raise AssertionError(f"sample at {times[0]} predates the window start {self._window_start}")
-        if any(s < 0 for _, s in self._samples):
+        if any(s < 0 for _, s, _, _ in self._samples):
             raise AssertionError("negative TTFT in the window")
+        if any(n < 1 or o < 0 for _, _, n, o in self._samples):
+            raise AssertionError("a sample's concurrency below 1 or its others below 0")

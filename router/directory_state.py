@@ -185,7 +185,14 @@ class DirectoryState:
             self._record(session_id, user, plan, now)
             plan = replace(plan, turn_index=self._pins[session_id].turns - 1)
         decoders = self.live("decode", now)
-        return replace(plan, pool_queueing=bool(decoders) and all(r.num_waiting > 0 for r in decoders))
+        return replace(plan, pool_queueing=bool(decoders) and all(r.num_waiting > 0 for r in decoders),
+                       pool_in_flight=self.pool_in_flight(now))
+
+    def pool_in_flight(self, now: float) -> int:
+        """Requests the live decoders reported serving, plus the turns placed on them since their
+        reports (every turn has a decoder; a first turn's remote prefill is part of it)."""
+        live = self.live("decode", now)
+        return sum(r.in_flight + self._unreported.get(r.replica_id, (0, 0))[0] for r in live)
 
     def _record(self, session_id: str, user: str | None, plan: TurnPlan, now: float) -> None:
         pin = self._pins.get(session_id)

@@ -40,6 +40,9 @@ class TurnPlan:
     # every live decoder reported requests waiting in its engine queue (set by the directory; the
     # ingress's adaptive admission does not raise its limit then, router/chat_admission.py)
     pool_queueing: bool = field(default=False, compare=False)
+    # requests the live engine replicas reported serving, plus the turns placed since their last
+    # reports (set by the directory): the pools' concurrency, whichever ingress sent them
+    pool_in_flight: int = field(default=0, compare=False)
 
 
 class NoReplicaAvailable(RuntimeError):

@@ -435,12 +435,13 @@ def test_a_full_decode_queue_is_unavailable_even_when_cancel_reraises() -> None:
         serve_turn(PoolBackend(decode), request("s"))
 
 
-def test_each_plans_pool_queueing_hint_goes_to_the_load_hint() -> None:
-    hints: list[bool] = []
-    plans = [TurnPlan("d0", remote_prefill=False, reason="new", pool_queueing=True), TurnPlan("d0", remote_prefill=False, reason="pinned")]
+def test_each_plans_pool_view_goes_to_the_load_hint() -> None:
+    hints: list[TurnPlan] = []
+    plans = [TurnPlan("d0", remote_prefill=False, reason="new", pool_queueing=True, pool_in_flight=3),
+             TurnPlan("d0", remote_prefill=False, reason="pinned")]
     backend = PoolBackend(decoder(FakeResponseStream(deltas(1)), FakeResponseStream(deltas(1))), None, FakeDirectory(plans), load_hint=hints.append)
     serve_turn(backend, request("s"))
     serve_turn(backend, request("s"))
-    assert hints == [True, False]
+    assert [(h.pool_queueing, h.pool_in_flight) for h in hints] == [(True, 3), (False, 0)]
     serve_turn(PoolBackend(decoder(FakeResponseStream(deltas(1))), load_hint=hints.append), request())  # no directory: no hint
-    assert hints == [True, False]
+    assert len(hints) == 2

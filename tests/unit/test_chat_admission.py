@@ -20,12 +20,14 @@ def limiter(cap: int = 16, **changes: object) -> ChatLimiter:
     return ChatLimiter(CFG.model_copy(update=changes), cap, now=0.0)
 
 
-def period(c: ChatLimiter, now: float, ttft: float, n: int = 3, inflight: int | None = None, queueing: bool = False) -> str:
-    """One control period under load: the limit binds, n requests report `ttft`, the law runs."""
+def period(c: ChatLimiter, now: float, ttft: float, n: int = 3, inflight: int | None = None, queueing: bool = False,
+           others: int = 0) -> str:
+    """One control period under load: the limit binds, n requests report `ttft` (each sharing the
+    engines with this ingress's `busy` and `others` of other ingresses), the law runs."""
     busy = c.limit if inflight is None else inflight
-    c.admit(max(0, busy - 1))
+    c.admit(c.limit)  # one more client than the limit lets in: refused, so the limit binds
     for _ in range(n):
-        c.observe(ttft, now - 0.5)
+        c.observe(ttft, now - 0.5, max(1, busy + others), others)
     d = c.update(now, busy, queueing)
     c.check_integrity()
     return f"{d.action}:{d.reason}:{d.limit_before}->{d.limit_after}"
@@ -61,10 +63,25 @@ def test_an_idle_ingress_does_not_raise_its_limit() -> None:
         c.observe(0.1, 0.5)
     c.admit(1)  # 1 in flight, limit 4: far from binding
     assert c.update(1.0, 1).reason == "not_binding" and c.limit == 4
-    c.admit(3)  # this request takes the last slot: binding
+    assert c.admit(3)  # this request takes the last slot: admitted, and no demand beyond the limit yet
     for _ in range(3):
-        c.observe(0.1, 1.5)
-    assert c.update(2.0, 4).action == "increase" and c.limit == 5
+        c.observe(0.1, 1.5, 4)
+    assert c.update(2.0, 3).reason == "not_binding" and c.limit == 4
+    assert not c.admit(4)  # refused: there was more demand than the limit let in
+    for _ in range(3):
+        c.observe(0.1, 2.5, 4)
+    assert c.update(3.0, 4).action == "increase" and c.limit == 5
+
+
+def test_one_request_at_a_time_never_raises_a_limit_of_one() -> None:
+    """A sequential client (a calibration, a lone user) takes the last slot of a limit of 1 on
+    every request, but never asks for a second: the limit stays 1."""
+    c = limiter(initial_limit=1)
+    for t in range(1, 11):
+        assert c.admit(0)
+        c.observe(0.1, t - 0.5, 1)
+        assert c.update(float(t), 0).reason in ("not_binding", "too_few_samples")
+    assert c.limit == 1
 
 
 def test_too_few_samples_and_an_unfinished_period_hold() -> None:
@@ -82,8 +99,8 @@ def test_the_window_drops_old_samples_and_resets_when_the_limit_moves() -> None:
         c.observe(3.0, t)  # misses, but they expire before the next evaluation
     assert c.window(1.0) == [3.0, 3.0, 3.0]
     for t in (6.0, 6.1, 6.2):
-        c.observe(0.2, t)
-    c.admit(3)
+        c.observe(0.2, t, 4)
+    c.admit(4)  # refused: binding
     assert c.update(6.5, 4).action == "increase"  # the misses at t < 1.5 are out of the 5 s window
     assert c.window(6.5) == []  # the change reset the window: the next decision sees only the new limit
     c.observe(9.0, 6.4)  # reported late, observed before the reset: ignored
@@ -93,9 +110,9 @@ def test_the_window_drops_old_samples_and_resets_when_the_limit_moves() -> None:
 @pytest.mark.parametrize("percentile,action", [(0.5, "increase"), (0.99, "decrease")])
 def test_the_judged_latency_is_the_windows_percentile(percentile: float, action: str) -> None:
     c = limiter(percentile=percentile)
-    c.admit(3)
-    for ttft in (0.2, 0.3, 0.4, 0.5, 4.0):  # one slow request in five
-        c.observe(ttft, 0.5)
+    c.admit(4)  # refused: binding
+    for ttft in (0.2, 0.3, 0.4, 0.5, 4.0):  # one slow request in five, each beside the 3 others in flight
+        c.observe(ttft, 0.5, 4)
     assert c.update(1.0, 4).action == action
     assert nearest_rank([0.2, 0.3, 0.4, 0.5, 4.0], 0.5) == 0.4 and nearest_rank([1.0, math.inf], 0.99) == math.inf
 
@@ -114,10 +131,27 @@ def test_a_queueing_pool_stops_growth_but_not_shrinking() -> None:
     assert period(c, 3.0, 2.0, queueing=True) == "decrease:overshoot:5->2"
 
 
+def test_latencies_from_before_a_burst_do_not_justify_growing_in_it() -> None:
+    """Requests sent one at a time (fast: nothing shares the engines) and then a burst: the first
+    decision under the burst's refusals must not grow on the quiet requests' TTFTs."""
+    c = limiter(initial_limit=1)
+    for t in range(1, 6):
+        c.admit(0)
+        c.observe(0.3, t - 0.5, 1)
+        c.update(float(t), 0)
+    assert not c.admit(1)  # the burst: refused
+    d = c.update(6.0, 1)
+    assert (d.action, d.reason) == ("hold", "too_few_samples") and c.limit == 1
+    for _ in range(3):
+        c.observe(0.45, 6.5, 1)  # at the limit, under the burst: 0.45 x 2 = 0.9 <= 1
+    c.admit(1)
+    assert c.update(7.0, 1).action == "increase"
+
+
 def test_refused_requests_give_no_sample() -> None:
     c = limiter(initial_limit=2)
     assert c.admit(0) and c.admit(1)  # the second takes the last slot
-    assert not c.admit(2) and not c.admit(2)  # refused: only the binding flag changes
+    assert not c.admit(2) and not c.admit(2)  # refused: only the binding flag changes (twice: still one flag)
     assert c.window(1.0) == []
     assert c.update(1.0, 2).reason == "too_few_samples"
 
@@ -147,6 +181,37 @@ def test_without_headroom_it_probes_over_the_knee_in_a_sawtooth() -> None:
     assert set(limits[5:]) == {2, 3, 4}  # 2 -> 3 -> 4 (over: 1.2 s) -> 2 ...
     over = sum(t > 1.0 for t in ttfts[5:]) / len(ttfts[5:])
     assert 0.25 <= over <= 0.4  # one period in three runs over the target
+
+
+def test_another_ingresss_requests_count_against_the_headroom() -> None:
+    """Two ingress replicas share engines where TTFT = 0.3 s x every request in flight; target
+    1.0 s, so the pools' knee is 3. The other ingress holds 2: this one, at 1, stays there
+    (0.3 x (1 + 1 + 2) = 1.2 > 1)."""
+    c = limiter(cap=8, initial_limit=1)
+    for t in range(1, 11):
+        assert period(c, float(t), 0.3 * (c.limit + 2), others=2) == "hold:no_headroom:1->1"
+
+
+@pytest.mark.parametrize("beside_another", [True, False])
+def test_a_busy_other_ingress_seen_once_in_the_window_holds_growth(beside_another: bool) -> None:
+    """0.4 s per request in flight, target 1.0 s. Two samples ran alone (the other ingress was
+    idle then); if a third ran beside one of the other ingress's requests, the other ingress is
+    known to send requests: 0.4 x (1 + 1 + 1) = 1.2 > 1, hold. Without it, 0.4 x 2 = 0.8: grow."""
+    c = limiter(cap=8, initial_limit=1)
+    c.admit(1)  # refused: binding
+    c.observe(0.4, 0.2, 1, 0)
+    c.observe(0.4, 0.3, 1, 0)
+    c.observe(0.8, 0.4, 2, 1) if beside_another else c.observe(0.4, 0.4, 1, 0)
+    d = c.update(1.0, 1)
+    assert (d.action, d.reason) == (("hold", "no_headroom") if beside_another else ("increase", "on_target"))
+    c.check_integrity()
+
+
+def test_a_sample_needs_a_concurrency_of_at_least_one() -> None:
+    with pytest.raises(ValueError):
+        limiter().observe(0.1, 0.5, 0)
+    with pytest.raises(ValueError):
+        limiter().observe(0.1, 0.5, 1, -1)
 
 
 def test_headroom_does_not_slow_growth_far_under_the_target() -> None:

@@ -7,7 +7,7 @@ import random
 from collections import Counter
 
 import pytest
-from directory_fixtures import MakeState, live_ids, make_state, rep, up
+from directory_fixtures import STALE, MakeState, live_ids, make_state, rep, up
 
 from router.directory_state import NoReplicaAvailable
 from router.policy import TurnPlan
@@ -165,3 +165,19 @@ def test_turn_index_counts_the_turns_of_a_conversation(make_state: MakeState) ->
     assert [state.route("s", None, 100, now=0.1 * i).turn_index for i in range(3)] == [0, 1, 2]
     assert state.route("other", None, 100, now=0.5).turn_index == 0
     state.check_integrity()
+
+
+def test_each_plan_tells_the_pools_in_flight_reported_and_placed_since(make_state: MakeState) -> None:
+    state = make_state("conversation")
+    state.report(rep("d0", "decode", in_flight=2), 0.0)
+    state.report(rep("d1", "decode", in_flight=1), 0.0)
+    state.report(rep("p0", "prefill", in_flight=4), 0.0)  # a first turn's prefill is part of its turn: not counted
+    assert state.pool_in_flight(0.0) == 3
+    first = state.route("s0", None, 100, now=0.0)
+    assert first.pool_in_flight == 4  # the 3 reported and this turn
+    second = state.route("s1", None, 100, now=0.0)
+    assert second.pool_in_flight == 5
+    state.report(rep("d0", "decode", in_flight=0), 1.0)  # d0's report replaces what was placed on it since
+    placed_on_d1 = [first.decode_replica, second.decode_replica].count("d1")
+    assert state.pool_in_flight(1.0) == 1 + placed_on_d1
+    assert state.pool_in_flight(1.0 + STALE + 5.0) == 0  # stale replicas are not live: nothing counted

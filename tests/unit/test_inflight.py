@@ -11,6 +11,7 @@ from deployments.errors import APIError
 from deployments.inflight import InflightLimit, status_of
 from deployments.metrics import RecordingMetrics
 from router.chat_admission import ChatAdmissionConfig
+from router.policy import TurnPlan
 
 
 def test_acquire_up_to_the_limit_then_429_with_retry_after() -> None:
@@ -161,11 +162,13 @@ def test_refused_requests_report_nothing_and_the_limit_grows_back_under_target()
 @pytest.mark.parametrize("queueing", [True, False])
 def test_the_pool_queueing_hint_holds_growth(queueing: bool) -> None:
     limit, clock, _ = adaptive(cap=8)
-    limit.note_pool_queueing(queueing)
+    limit.note_pool(TurnPlan("d0", remote_prefill=False, reason="new", pool_queueing=queueing))
     tickets = [limit.acquire(), limit.acquire()]
     clock.t = 0.2
     for t in tickets:
         t.first_token()
+    with pytest.raises(APIError):
+        limit.acquire()  # a third client: refused, so the limit binds
     clock.t = 1.0
     assert limit.snapshot()["pool_queueing"] is queueing
     if queueing:  # the law runs: on target and binding, but every decoder is queueing
@@ -175,3 +178,78 @@ def test_the_pool_queueing_hint_holds_growth(queueing: bool) -> None:
     else:
         limit.acquire()
         assert limit.limit == 3
+
+
+def test_retry_after_is_the_median_completed_duration_per_slot() -> None:
+    now = [0.0]
+    limit = InflightLimit(2, clock=lambda: now[0])
+    assert limit.retry_after_s() == 1  # nothing completed yet
+    for duration in (4.0, 9.0, 5.0):  # median 5 s over 2 slots: a slot frees every 2.5 s
+        t = limit.acquire()
+        now[0] += duration
+        t.release(200)
+    assert limit.retry_after_s() == 3
+    failed = limit.acquire()
+    now[0] += 1000.0
+    failed.release(503)  # only completed (2xx) requests time the service
+    assert limit.retry_after_s() == 3
+    busy = [limit.acquire(), limit.acquire()]
+    with pytest.raises(APIError) as e:
+        limit.acquire()
+    assert e.value.headers == {"Retry-After": "3"}
+    for t in busy:
+        t.release(200)
+
+
+def test_retry_after_stays_within_its_bounds() -> None:
+    now = [0.0]
+    limit = InflightLimit(1, clock=lambda: now[0])
+    t = limit.acquire()
+    now[0] += 3600.0
+    t.release(200)
+    assert limit.retry_after_s() == 30
+    quick = InflightLimit(4, clock=lambda: now[0])
+    t = quick.acquire()
+    t.release(200)  # 0 s
+    assert quick.retry_after_s() == 1
+
+
+def test_precheck_refuses_exactly_when_acquire_would_and_admits_nothing() -> None:
+    limit = InflightLimit(1)
+    limit.precheck()
+    assert limit.inflight == 0 and limit.totals["admitted"] == 0
+    held = limit.acquire()
+    with pytest.raises(APIError) as e:
+        limit.precheck()
+    assert e.value.status == 429 and "Retry-After" in e.value.headers
+    assert limit.totals == {"admitted": 1, "refused": 1, "samples": 0, "overdue": 0}  # a refusal is counted once
+    held.release(200)
+    limit.precheck()
+    assert limit.inflight == 0
+
+
+def test_before_anything_completed_retry_after_is_the_oldest_running_age_per_slot() -> None:
+    now = [0.0]
+    limit = InflightLimit(2, clock=lambda: now[0])
+    first = limit.acquire()
+    now[0] = 3.0
+    limit.acquire()
+    now[0] = 8.5  # the oldest has run 8.5 s, and still runs: a slot frees in >= 8.5 / 2 s
+    assert limit.retry_after_s() == 5
+    first.release(200)
+    assert limit.retry_after_s() == 5  # now the one completed duration (8.5 s) over 2 slots
+
+
+def test_samples_carry_the_pools_concurrency_and_the_other_ingresses_share() -> None:
+    """Two requests here; the directory's plans say the pools serve 5 (3 from other ingresses):
+    the TTFT samples tell the limiter so (router/chat_admission.py: headroom)."""
+    limit, clock, _ = adaptive(cap=8)
+    a, b = limit.acquire(), limit.acquire()
+    limit.note_pool(TurnPlan("d0", remote_prefill=False, reason="new", pool_in_flight=5))
+    assert (a.concurrency, a.others) == (5, 3) and (b.concurrency, b.others) == (5, 3)
+    limit.note_pool(TurnPlan("d0", remote_prefill=False, reason="new", pool_in_flight=2))  # quieter later: the peak stays
+    clock.t = 0.3
+    a.first_token()
+    b.first_token()
+    assert limit._ctl is not None and limit._ctl.headroom() == (0.3 / 5, 3)
+    assert limit.snapshot()["pool_in_flight"] == 2

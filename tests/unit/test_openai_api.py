@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 from baton.engine.types import EngineRequestError, EngineUnavailable, SamplingSpec
 from deployments.chat import PromptRenderer
 from deployments.frontend import OpenAIFrontend
+from deployments.inflight import InflightLimit
 from deployments.metrics import RecordingMetrics
 from deployments.openai_api import build_openai_app
 from deployments.protocol import ChatCompletionRequest
@@ -54,7 +55,8 @@ class Api:
         return len(PromptRenderer(self.tokenizer).chat_tokens(ChatCompletionRequest(messages=messages).messages))
 
 
-def make_api(backend: FakeBackend | None = None, *, raise_server_exceptions: bool = True, with_stats: bool = True) -> Api:
+def make_api(backend: FakeBackend | None = None, *, raise_server_exceptions: bool = True, with_stats: bool = True,
+             admission: InflightLimit | None = None) -> Api:
     tokenizer = FakeTokenizer()
     backend = backend or FakeBackend()
     metrics = RecordingMetrics()
@@ -65,6 +67,7 @@ def make_api(backend: FakeBackend | None = None, *, raise_server_exceptions: boo
         max_model_len=MAX_MODEL_LEN,
         default_max_tokens=DEFAULT_MAX_TOKENS,
         metrics=metrics,
+        admission=admission,
     )
     api = Api(client=None, backend=backend, metrics=metrics, tokenizer=tokenizer)  # type: ignore[arg-type]
 
@@ -611,3 +614,17 @@ def test_turn_labels_are_a_bounded_set() -> None:
     from deployments.metrics import turn_label
 
     assert [turn_label(i) for i in (None, 0, 4, 5, 99)] == ["none", "0", "4", "5+", "5+"]
+
+
+def test_a_full_ingress_refuses_before_reading_the_body() -> None:
+    limit = InflightLimit(1)
+    api = make_api(admission=limit)
+    held = limit.acquire()
+    # not even valid JSON: the 429 comes before any parsing (a refusal costs next to nothing)
+    r = api.client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert_error(r, 429, code="overloaded")
+    assert r.headers["retry-after"] == "1"
+    assert api.metrics.requests[("chat", 429)] == 1
+    held.release(200)
+    assert api.client.post("/v1/chat/completions", content=b"{not json").status_code == 400  # room again: parsed
+    assert api.chat().status_code == 200

@@ -260,4 +260,4 @@ def test_baton_stats_shows_the_resumes_of_the_ingress_replica_that_answers() -> 
     snap = asyncio.run(cls._public_stats(ingress))
     assert snap["ingress"]["stream_resumes"] == {"resumed": 1} and snap["policy"] == "colocated"
     assert snap["ingress"]["admission"] == {"mode": "fixed", "limit": 4, "cap": 4, "inflight": 0, "pool_queueing": False,
-                                            "admitted": 0, "refused": 0, "samples": 0, "overdue": 0}
+                                            "pool_in_flight": 0, "retry_after_s": 1, "admitted": 0, "refused": 0, "samples": 0, "overdue": 0}
