@@ -186,7 +186,8 @@ class InflightLimit:
     def _room(self, now: float) -> bool:
         if self._ctl is not None:
             self._control(now)
-            return self._ctl.admit(self._inflight)
+            # a refused client is demand until the Retry-After it is about to be told runs out
+            return self._ctl.admit(self._inflight, now, self.retry_after_s())
         return self._inflight < self._cap
 
     def _refuse(self) -> None:

@@ -21,7 +21,7 @@ Refused requests were never admitted and give no sample. Each admitted request g
 Control law (`update(now, inflight)`, at most once per `control_period_s`), AIMD as the real-time
 controller in router/admission.py, over the samples of the window (observed at t with
 t >= now - window_s and t >= the last reset; the window is reset whenever the limit changes, a
-drain-hold is taken, or a period did not bind, so a decision only looks at requests observed
+drain-hold is taken, or a period did not bind (whatever its samples), so a decision only looks at requests observed
 under the current limit, and a growth only at requests observed while it held demand back —
 TTFTs of an ingress with room to spare, such as requests sent one at a time before a burst, say
 nothing about the latency at the limit):
@@ -52,11 +52,11 @@ q * (limit + step) / limit. With several ingress replicas sharing the pools, an 
 requests ran while another was briefly idle does not take that quiet for headroom: the other's
 requests, seen at any moment of the window, count at their peak.
 
-Binding: in the period a request was refused (it arrived with inflight >= limit), or the period
-began with the limit full: there was more demand than the limit let in. Taking the last slot is
-not enough: at a limit of 1 every request does, and a client sending one request at a time would
-raise the limit with no demand for a second (then the first burst runs over the target). An idle
-ingress never raises its limit. `pool_queueing` is the
+Binding: there is demand the limit holds back — a request was refused in the period, or a
+refused client is still waiting out the Retry-After it was given (`admit(..., waits_s=)`).
+A full limit is not enough: at a limit of 1 every request fills it, and a client sending one
+request at a time would raise the limit with no demand for a second (then the first burst runs
+over the target). An idle ingress never raises its limit. `pool_queueing` is the
 directory's view (every live decoder reports requests waiting): more admitted requests would only
 wait in the engines' queues, so the limit does not grow then (it can still shrink).
 
@@ -151,18 +151,21 @@ class ChatLimiter:
         self._samples: list[tuple[float, float, int, int]] = []  # (observed_at, ttft_s, concurrency, others), by time
         self._window_start = now
         self._period_start = now
-        self._binding = False
+        self._binding = False  # a refusal since the last evaluation
+        self._demand_until = -math.inf  # a refused client waits out its Retry-After until then
 
     # ---- inputs ---------------------------------------------------------------------------------
 
-    def admit(self, inflight: int) -> bool:
+    def admit(self, inflight: int, now: float = -math.inf, waits_s: float = 0.0) -> bool:
         """May one more request start while `inflight` are in flight? A refusal marks the limit
-        binding. Does not change the limit."""
+        binding, and keeps it so until now + waits_s (the Retry-After the refused client is told).
+        Does not change the limit."""
         if inflight < 0:
             raise ValueError(f"inflight must be >= 0, got {inflight}")
         room = inflight < self.limit
         if not room:
             self._binding = True
+            self._demand_until = max(self._demand_until, now + waits_s)
         return room
 
     def observe(self, ttft_s: float, now: float, concurrency: int = 1, others: int = 0) -> None:
@@ -194,7 +197,7 @@ class ChatLimiter:
 
     def update(self, now: float, inflight: int, pool_queueing: bool = False) -> LimitDecision:
         """Run the law if a control period has elapsed since the last evaluation."""
-        before, binding = self.limit, self._binding
+        before, binding = self.limit, self._binding or now <= self._demand_until
         if now - self._period_start < self.config.control_period_s:
             return LimitDecision(now, "hold", "period_not_elapsed", before, before, None, len(self._samples), binding)
         values = self.window(now)
@@ -204,11 +207,11 @@ class ChatLimiter:
             self.limit = max(self.config.min_limit, math.floor(self.limit * self.config.multiplicative_factor))
         elif action == "increase":
             self.limit = min(self.cap, self.limit + self.config.additive_step)
-        if action != "hold" or reason in ("draining", "not_binding"):
+        if action != "hold" or reason in ("draining", "not_binding") or (reason == "too_few_samples" and not binding):
             self._window_start = now
-            self._prune(now)
+            self._samples.clear()
         self._period_start = now
-        self._binding = inflight >= self.limit
+        self._binding = False
         return LimitDecision(now, action, reason, before, self.limit, q, len(values), binding)
 
     def _decide(self, q: float | None, samples: int, binding: bool, inflight: int, pool_queueing: bool) -> tuple[Action, Reason]:
