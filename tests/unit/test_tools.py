@@ -166,7 +166,8 @@ def test_tools_are_rendered_by_the_chat_template(tok: Any, hermes: ToolCalling) 
 
 def test_the_shipped_template_without_tools_is_the_models_own(tok: Any) -> None:
     own = (MODEL_DIR / "chat_template.jinja").read_text()
-    convs = [ASK, [{"role": "system", "content": "Be brief."}, *ASK, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And?"}]]
+    convs = [ASK, [{"role": "system", "content": "Be brief."}, *ASK, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And?"}],
+             [*ASK, {"role": "tool", "content": '{"temp": 18}'}]]  # tool results as the BFCL traces send them: no tools field
     for conv in convs:
         for gen in (True, False):
             assert tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen) == \
