@@ -20,7 +20,6 @@ from baton.engine.types import (
     EngineUnavailable,
     GenerationDelta,
     GenerationRequest,
-    OutputConstraint,
     SamplingSpec,
 )
 from deployments.chat import PromptRenderer
@@ -121,8 +120,7 @@ class OpenAIFrontend:
         plan = self._tools.plan(body)  # tools are part of the prompt, as the model's template renders them
         renderer = self._renderer.with_tools(plan.template_tools if plan else None)
         ids = list(memory.token_ids) if memory is not None else renderer.chat_tokens(body.messages)
-        p = self._prepared("chat", body, ids, body.requested_max_tokens(), session_id, plan.constraint if plan else None)
-        p = replace(p, tools=plan)
+        p = self._prepared("chat", body, ids, body.requested_max_tokens(), session_id, plan)
         if memory is None:
             return p
         if memory.injection is None:
@@ -154,7 +152,7 @@ class OpenAIFrontend:
                               param="memories", code="memories_unavailable")
 
     def _prepared(self, endpoint: str, body: Any, ids: list[int], requested: int | None, session_id: str | None,
-                  constraint: OutputConstraint | None = None) -> Prepared:
+                  tools: ToolPlan | None = None) -> Prepared:
         n = len(ids)
         room = self._max_model_len - n
         if room < 1:
@@ -180,13 +178,14 @@ class OpenAIFrontend:
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             ignore_eos=body.ignore_eos,
-            constraint=constraint,
+            constraint=tools.constraint if tools else None,
+            skip_special_tokens=tools.skip_special_tokens if tools else True,
         )
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         req = GenerationRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_token_ids=tuple(ids), sampling=sampling,
                                 session_id=session_id, user=body.user, cache_salt=tenant_salt(self._prefix_cache, body.user))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return Prepared(endpoint=endpoint, request=req, model=self.model_id, stream=body.stream, include_usage=include_usage)
+        return Prepared(endpoint=endpoint, request=req, model=self.model_id, stream=body.stream, include_usage=include_usage, tools=tools)
 
     # ---- generation ----------------------------------------------------------------------------
     def _admit(self, p: Prepared) -> Ticket:

@@ -56,6 +56,7 @@ class ToolPlan:
     constraint: OutputConstraint | None  # guided decoding for required / named tool_choice
     parse: bool  # False for tool_choice "none": the reply is plain text
     single_call: bool  # parallel_tool_calls false: the first call only
+    skip_special_tokens: bool  # what the parser asks of detokenization (hermes: keep tags that are special tokens)
     vllm_request: Any  # vLLM's ChatCompletionRequest, as its parsers read requests
 
 
@@ -99,7 +100,7 @@ class ToolCalling:
         except ValueError as e:  # pydantic's ValidationError and vLLM's VLLMValidationError are ValueErrors
             raise bad_request(f"invalid tools: {e}", param="tools", code="invalid_value") from None
         return ToolPlan(template_tools=tools, constraint=_constraint(vreq.structured_outputs), parse=choice != "none",
-                        single_call=body.parallel_tool_calls is False, vllm_request=vreq)
+                        single_call=body.parallel_tool_calls is False, skip_special_tokens=vreq.skip_special_tokens, vllm_request=vreq)
 
     def reply(self, plan: ToolPlan | None, prompt_token_ids: Sequence[int] = ()) -> ToolReply | None:
         """The parser for one reply (parsers keep streaming state: one per request); None: plain text."""

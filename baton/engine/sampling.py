@@ -42,4 +42,5 @@ def sampling_params(req: GenerationRequest, kv_transfer_params: dict[str, Any] |
         output_kind=RequestOutputKind.DELTA,
         extra_args=extra,
         structured_outputs=structured,
+        skip_special_tokens=s.skip_special_tokens,
     )

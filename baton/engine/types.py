@@ -36,6 +36,7 @@ class SamplingSpec:
     ignore_eos: bool = False
     logprobs: bool = False  # report each sampled token's logprob (GenerationDelta.logprobs)
     constraint: OutputConstraint | None = None  # guided decoding (None: free text)
+    skip_special_tokens: bool = True  # False keeps special tokens in the text (tool-call tags that are special tokens)
 
 
 @dataclass(frozen=True)

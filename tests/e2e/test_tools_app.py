@@ -76,6 +76,8 @@ def test_forced_tool_call_whole_and_streamed(url: str) -> None:
                                                        max_tokens=16, extra_headers={"x-session-id": "tools-whole"})
     second = raw2.parse()
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert "<|im_end|>" not in (second.choices[0].message.content or "")  # special tokens kept for the parser, not EOS
+    print(f"\nforced call: {call.function.name}({call.function.arguments}); after the result: {second.choices[0].message!r}")
     assert raw2.headers["x-baton-replica"] == raw.headers["x-baton-replica"]
     assert second.usage.prompt_tokens_details.cached_tokens > 0  # the first turn's KV, on its decoder
 

@@ -305,6 +305,7 @@ def test_required_and_named_tool_choice_constrain_the_output(tok: Any, hermes: T
         assert constraint is not None and constraint.structural_tag is not None
         assert '<tool_call>' in constraint.structural_tag and "get_weather" in constraint.structural_tag
         assert ("get_time" in constraint.structural_tag) == (choice == "required")
+        assert backend.last.sampling.skip_special_tokens is False  # hermes: tool tags may be special tokens
         assert names_and_args(body["choices"][0]["message"]["tool_calls"]) == [("get_weather", {"city": "Paris"})]
     chat(c, tools=[WEATHER])
     assert backend.last.sampling.constraint is None  # auto: free text
@@ -320,6 +321,7 @@ def test_constraints_reach_vllm_sampling_params() -> None:
     assert sampling_params(req(OutputConstraint(structural_tag=tag)), None).structured_outputs.structural_tag == tag
     assert sampling_params(req(OutputConstraint(json_schema='{"type": "object"}')), None).structured_outputs.json == {"type": "object"}
     assert sampling_params(req(None), None).structured_outputs is None
+    assert sampling_params(req(None), None).skip_special_tokens is True
     with pytest.raises(ValueError):
         OutputConstraint()
 
