@@ -14,14 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from baton.engine.types import (
-    ConversationNotFound,
-    EngineRequestError,
-    EngineUnavailable,
-    GenerationDelta,
-    GenerationRequest,
-    SamplingSpec,
-)
+from baton.engine.types import ConversationNotFound, EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
 from deployments.chat import PromptRenderer
 from deployments.errors import APIError, bad_request, conversation_not_found, unavailable
 from deployments.inflight import InflightLimit, Ticket, status_of
