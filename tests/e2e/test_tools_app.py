@@ -29,8 +29,11 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
-def url() -> Any:
-    url = start_app(e2e_args(decode_replicas=1, prefill_replicas=1, ingress_replicas=1))
+def url(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    args = e2e_args(decode_replicas=1, prefill_replicas=1, ingress_replicas=1)
+    # a fresh ownership store: earlier runs' session ids would be known conversations to a new directory
+    args["routing"]["ownership_db_path"] = str(tmp_path_factory.mktemp("tools") / "conversations.sqlite3")
+    url = start_app(args)
     try:
         yield url
     finally:
