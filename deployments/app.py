@@ -81,6 +81,28 @@ def pool_options(name: str, pool: PoolConfig, spec: EngineSpec, cfg: AppConfig) 
     return opts
 
 
+def check_tool_parser(name: str | None) -> str | None:
+    """`ingress.tool_call_parser` if vLLM has a tool parser of that name (ConfigError otherwise)."""
+    if name is None:
+        return None
+    from vllm.tool_parsers import ToolParserManager
+
+    known = ToolParserManager.list_registered()
+    if name not in known:
+        raise ConfigError(f"ingress.tool_call_parser: vLLM has no tool parser {name!r} (known: {', '.join(known)})")
+    return name
+
+
+def chat_template_path(path: str | None) -> str | None:
+    """`ingress.chat_template` as an absolute path to a file that exists (ConfigError otherwise)."""
+    if path is None:
+        return None
+    resolved = project_path(path)
+    if not os.path.isfile(resolved):
+        raise ConfigError(f"ingress.chat_template: no file at {resolved}")
+    return resolved
+
+
 def build_app(args: dict[str, Any] | AppConfig) -> Application:
     cfg = load_app_config(args)
     refusal = bind_refusal(serve_http_host(), cfg)  # safe by default off loopback (deployments/exposure.py)
@@ -141,6 +163,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         realtime=cfg.realtime,
         input_limits=cfg.ingress.input_limits(),
         prefix_cache=cfg.isolation.prefix_cache,
+        tool_call_parser=check_tool_parser(cfg.ingress.tool_call_parser),
+        chat_template=chat_template_path(cfg.ingress.chat_template),
     )
     return Ingress.options(
         num_replicas=cfg.ingress.num_replicas,

@@ -84,6 +84,14 @@ class IngressConfig(_Strict):
         None, ge=1, description="characters of a prompt (chat messages, or a text completion prompt), counted before "
         "tokenization; beyond: 400 context_length_exceeded. Default: 32 × the context length")
     render_threads: int = Field(2, ge=1, le=64, description="threads that template and tokenize prompts, off the event loop")
+    tool_call_parser: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="vLLM tool parser that reads this model's tool calls (a name vLLM's ToolParserManager knows: hermes, "
+        "pythonic, llama3_json, ...; the builder checks it); none: requests with tools are refused (400)")
+    chat_template: str | None = Field(
+        None, min_length=1,
+        description="a Jinja chat template file that replaces the model's own (relative to the repo root), e.g. one that "
+        "renders tools: deployments/templates/chatml_tools.jinja")
     api_keys_env: str | None = Field(
         None,
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",

@@ -28,7 +28,9 @@ from deployments.protocol import (
     completion_response,
     usage,
 )
+from deployments.reply_stats import Accumulator, chain
 from deployments.salt import PrefixCacheScope, tenant_salt
+from deployments.tool_calls import ToolCalling, ToolPlan
 from memory_store.layout import MemoryPrompt
 
 logger = logging.getLogger("baton.api")
@@ -56,6 +58,7 @@ class Prepared:
     model: str
     stream: bool
     include_usage: bool
+    tools: ToolPlan | None = None  # the request's tool calling (deployments/tool_calls.py); None: none
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -75,9 +78,11 @@ class OpenAIFrontend:
         metrics: IngressMetrics,
         admission: InflightLimit | None = None,
         prefix_cache: PrefixCacheScope = "tenant",
+        tools: ToolCalling | None = None,
     ):
         """admission: bounds the generation requests in flight (default: unbounded).
-        prefix_cache: which requests may share prefix-cache KV (deployments/salt.py)."""
+        prefix_cache: which requests may share prefix-cache KV (deployments/salt.py).
+        tools: the model's tool-call parser (default: none, requests with tools are refused)."""
         self.model_id = model_id
         self._renderer = renderer
         self._backend = backend
@@ -86,6 +91,7 @@ class OpenAIFrontend:
         self._metrics = metrics
         self._admission = admission if admission is not None else InflightLimit()
         self._prefix_cache = prefix_cache
+        self._tools = tools if tools is not None else ToolCalling()
 
     def record_rejected(self, endpoint: str, status: int) -> None:
         """Count a request refused before generation (bad input, unknown model, too long)."""
@@ -104,8 +110,10 @@ class OpenAIFrontend:
         token ids replace the plain rendering; in KV mode it carries what the engine injects.
         The user's facts are in the prompt either way: it is salted by user in every scope."""
         self._check_common(body, with_memory=memory is not None)
-        ids = list(memory.token_ids) if memory is not None else self._renderer.chat_tokens(body.messages)
-        p = self._prepared("chat", body, ids, body.requested_max_tokens(), session_id)
+        plan = self._tools.plan(body)  # tools are part of the prompt, as the model's template renders them
+        renderer = self._renderer.with_tools(plan.template_tools if plan else None)
+        ids = list(memory.token_ids) if memory is not None else renderer.chat_tokens(body.messages)
+        p = self._prepared("chat", body, ids, body.requested_max_tokens(), session_id, plan)
         if memory is None:
             return p
         if memory.injection is None:
@@ -136,7 +144,8 @@ class OpenAIFrontend:
             raise bad_request("memories are served on /v1/chat/completions of a deployment with a memory store (config `memory`)",
                               param="memories", code="memories_unavailable")
 
-    def _prepared(self, endpoint: str, body: Any, ids: list[int], requested: int | None, session_id: str | None) -> Prepared:
+    def _prepared(self, endpoint: str, body: Any, ids: list[int], requested: int | None, session_id: str | None,
+                  tools: ToolPlan | None = None) -> Prepared:
         n = len(ids)
         room = self._max_model_len - n
         if room < 1:
@@ -162,12 +171,14 @@ class OpenAIFrontend:
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             ignore_eos=body.ignore_eos,
+            constraint=tools.constraint if tools else None,
+            skip_special_tokens=tools.skip_special_tokens if tools else True,
         )
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         req = GenerationRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_token_ids=tuple(ids), sampling=sampling,
                                 session_id=session_id, user=body.user, cache_salt=tenant_salt(self._prefix_cache, body.user))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return Prepared(endpoint=endpoint, request=req, model=self.model_id, stream=body.stream, include_usage=include_usage)
+        return Prepared(endpoint=endpoint, request=req, model=self.model_id, stream=body.stream, include_usage=include_usage, tools=tools)
 
     # ---- generation ----------------------------------------------------------------------------
     def precheck(self, endpoint: str) -> None:
@@ -195,7 +206,7 @@ class OpenAIFrontend:
 
     async def _complete(self, p: Prepared, ticket: Ticket | None = None) -> Reply:
         t0 = time.monotonic()
-        acc = _Accumulator(self._metrics, p.endpoint, t0, ticket)
+        acc = Accumulator(self._metrics, p.endpoint, t0, ticket)
         try:
             async for d in self._deltas(p):
                 acc.add(d)
@@ -208,8 +219,14 @@ class OpenAIFrontend:
         acc.finish()
         self._metrics.request_done(p.endpoint, 200)
         use = usage(acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens)
+        text, rid = "".join(acc.texts), p.request.request_id
+        parser = self._tools.reply(p.tools)
+        if parser is not None:
+            r = parser.complete(text, acc.finish_reason)
+            body = chat_response(rid, p.model, r.content, r.finish_reason, use, [c.as_openai() for c in r.calls])
+            return Reply(body=body, events=None, replica=acc.replica)
         build = chat_response if p.endpoint == "chat" else completion_response
-        return Reply(body=build(p.request.request_id, p.model, "".join(acc.texts), acc.finish_reason, use), events=None, replica=acc.replica)
+        return Reply(body=build(rid, p.model, text, acc.finish_reason, use), events=None, replica=acc.replica)
 
     async def open_stream(self, p: Prepared) -> Reply:
         """Streaming: waits for the engine's first output so that a failure before any token is a
@@ -226,7 +243,7 @@ class OpenAIFrontend:
 
     async def _open_stream(self, p: Prepared, ticket: Ticket) -> Reply:
         t0 = time.monotonic()
-        acc = _Accumulator(self._metrics, p.endpoint, t0, ticket)
+        acc = Accumulator(self._metrics, p.endpoint, t0, ticket)
         deltas = self._deltas(p)
         try:
             first = await deltas.__anext__()
@@ -241,7 +258,7 @@ class OpenAIFrontend:
         replica = first.replica if first is not None else None
         return Reply(body=None, events=self._stream_events(p, acc, first, deltas, ticket), replica=replica)
 
-    async def _stream_events(self, p: Prepared, acc: _Accumulator, first: GenerationDelta | None, rest: AsyncIterator[GenerationDelta],
+    async def _stream_events(self, p: Prepared, acc: Accumulator, first: GenerationDelta | None, rest: AsyncIterator[GenerationDelta],
                              ticket: Ticket) -> AsyncIterator[str]:
         rid, model = p.request.request_id, p.model
         chunk: Callable[..., dict[str, Any]]
@@ -250,9 +267,13 @@ class OpenAIFrontend:
             if p.endpoint == "chat":
                 yield sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}))
             pending = [first] if first is not None else []
-            async for d in _chain(pending, rest):
+            parser = self._tools.reply(p.tools, p.request.prompt_token_ids)
+            async for d in chain(pending, rest):
                 acc.add(d)
-                if d.text or d.finished:
+                if parser is not None:  # tool calls: the parser decides what each delta sends
+                    for delta, finish in parser.feed(d):
+                        yield sse(chat_chunk(rid, model, delta, finish))
+                elif d.text or d.finished:
                     if p.endpoint == "chat":
                         delta = {"content": d.text} if d.text else {}
                         yield sse(chat_chunk(rid, model, delta, d.finish_reason if d.finished else None))
@@ -294,46 +315,3 @@ class OpenAIFrontend:
             aclose = getattr(gen, "aclose", None)
             if aclose is not None:
                 await aclose()
-
-
-async def _chain(first: list[GenerationDelta], rest: AsyncIterator[GenerationDelta]) -> AsyncIterator[GenerationDelta]:
-    for d in first:
-        yield d
-    async for d in rest:
-        yield d
-
-
-class _Accumulator:
-    """Usage and latency of one request, built from its deltas; the first token is reported to
-    the request's admission ticket (its TTFT sample, deployments/inflight.py)."""
-
-    def __init__(self, metrics: IngressMetrics, endpoint: str, t0: float, ticket: Ticket | None = None):
-        self._metrics, self._endpoint, self._t0 = metrics, endpoint, t0
-        self._ticket = ticket
-        self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
-        self.finish_reason: str | None = None
-        self.texts: list[str] = []
-        self.replica: str | None = None
-        self._turn: int | None = None
-        self._t_first: float | None = None
-
-    def add(self, d: GenerationDelta) -> None:
-        self.replica = self.replica or d.replica
-        if d.turn_index is not None:
-            self._turn = d.turn_index
-        if d.token_ids and self._t_first is None:
-            self._t_first = time.monotonic()
-            self._metrics.ttft(self._endpoint, self._t_first - self._t0, self._turn)
-            if self._ticket is not None:
-                self._ticket.first_token()
-        self.prompt_tokens = max(self.prompt_tokens, d.prompt_tokens)
-        self.cached_tokens = max(self.cached_tokens, d.cached_tokens)
-        self.completion_tokens += len(d.token_ids)
-        self.texts.append(d.text)
-        if d.finished:
-            self.finish_reason = d.finish_reason
-
-    def finish(self) -> None:
-        if self._t_first is not None and self.completion_tokens > 1:
-            self._metrics.tpot(self._endpoint, (time.monotonic() - self._t_first) / (self.completion_tokens - 1))
-        self._metrics.tokens(self._endpoint, self.prompt_tokens, self.cached_tokens, self.completion_tokens)

@@ -19,6 +19,7 @@ from deployments.metrics import ServeIngressMetrics
 from deployments.openai_api import api_keys_from_env, build_openai_app
 from deployments.realtime_api import RealtimeFrontend, ServeRealtimeMetrics
 from deployments.salt import PrefixCacheScope
+from deployments.tool_calls import ToolCalling
 from memory_store.config import MemoryConfig
 from router.chat_admission import ChatAdmissionConfig
 
@@ -37,6 +38,8 @@ class IngressSettings:
     realtime: RealtimeConfig | None = None  # real-time sessions (None: no /v1/realtime)
     input_limits: InputLimits = InputLimits()  # request bounds (body bytes, messages, prompt characters)
     prefix_cache: PrefixCacheScope = "tenant"  # which requests may share prefix-cache KV (deployments/salt.py)
+    tool_call_parser: str | None = None  # vLLM's tool parser for this model (None: no tool calling)
+    chat_template: str | None = None  # absolute path of a template that replaces the model's (None: its own)
 
 
 @serve.deployment(name="ingress")
@@ -46,7 +49,8 @@ class Ingress:
         self._directory = directory
         self._settings = settings
         self._api_keys = api_keys_from_env(settings.api_keys_env, os.environ)
-        renderer = PromptRenderer.from_path(settings.model_path)
+        renderer = PromptRenderer.from_path(settings.model_path, settings.chat_template)
+        tools = ToolCalling(settings.tool_call_parser, renderer.tokenizer, settings.model_id)
         self._memory = None
         if settings.memory is not None and memory_store is not None:
             self._memory = MemoryFrontend(settings.memory, memory_store, renderer, settings.model_id, encoder=decode)
@@ -65,6 +69,7 @@ class Ingress:
             metrics=self._metrics,
             admission=self._admission,
             prefix_cache=settings.prefix_cache,
+            tools=tools,
         )
 
     def __serve_build_asgi_app__(self) -> Any:

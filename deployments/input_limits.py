@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from deployments.errors import bad_request
 from deployments.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from deployments.tool_schema import check_tool_request, tools_chars
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 CHARS_PER_TOKEN_BOUND = 32  # 4× a generous 8 characters per token
@@ -47,7 +48,8 @@ def check_input(body: ChatCompletionRequest | CompletionRequest, limits: InputLi
         if len(body.messages) > limits.max_messages:
             raise bad_request(f"at most {limits.max_messages} messages per request (got {len(body.messages)})",
                               param="messages", code="too_many_messages")
-        _check_chars(chat_chars(body.messages), limits.prompt_chars(max_model_len), "messages")
+        check_tool_request(body.tools, body.tool_choice)
+        _check_chars(chat_chars(body.messages) + tools_chars(body.tools), limits.prompt_chars(max_model_len), "messages")
         return
     prompt = body.prompt
     if isinstance(prompt, str) or isinstance(prompt[0], str):

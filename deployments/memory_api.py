@@ -15,9 +15,10 @@ import asyncio
 import logging
 from typing import Any
 
-from deployments.chat import PromptRenderer, template_messages
+from deployments.chat import PromptRenderer
 from deployments.errors import APIError, bad_request, unavailable
 from deployments.protocol import AddMemoriesRequest, ChatCompletionRequest
+from deployments.tool_schema import template_tools
 from memory_store.config import MemoryConfig
 from memory_store.errors import FactNotFound, IdempotencyKeyReused, InvalidInput
 from memory_store.idempotency import validate_key
@@ -127,13 +128,14 @@ class MemoryFrontend:
         if k > self._cfg.max_k:
             raise bad_request(f"memories.k must be at most {self._cfg.max_k}", param="memories.k")
         query = next((m.text() for m in reversed(body.messages) if m.role == "user"), "")
-        messages = template_messages(body.messages)
+        messages = self._renderer.template_messages(body.messages)
         if any(RESERVED_MARK in str(m.get("content") or "") for m in messages):  # before any store work
             raise bad_request("message content contains a reserved control sequence", param="messages")
         recall = await self._call("recall", user, query, k, window, tuple(opt.ids or ()))
         try:
             # templating and tokenizing a long conversation: off the event loop (deployments/offload.py)
-            return await asyncio.to_thread(memory_prompt, self._renderer, messages, recall.facts, user=user, model=self._model,
+            renderer = self._renderer.with_tools(template_tools(body.tools))  # tools are part of the rendered prompt
+            return await asyncio.to_thread(memory_prompt, renderer, messages, recall.facts, user=user, model=self._model,
                                            window=window, inject=mode == "kv", deletions=recall.deletions)
         except ValueError as e:  # the client's messages cannot be laid out with memories: 400, not 500
             raise bad_request(str(e), param="messages") from None

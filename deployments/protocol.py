@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deployments.tool_schema import FunctionTool, ToolChoice
+
 SESSION_ID_MAX = 128
 STOP_MAX = 4  # stop sequences per request (OpenAI's limit)
 STOP_CHARS_MAX = 256  # characters per stop sequence
@@ -118,6 +120,9 @@ class _Sampling(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[FunctionTool] | None = Field(None, description="functions the model may call (deployments/tool_schema.py)")
+    tool_choice: ToolChoice | None = Field(None, description="auto (default with tools) | none | required | a named function")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call per reply")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -159,13 +164,18 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str | None, use: dict[str, Any]) -> dict[str, Any]:
+def chat_response(rid: str, model: str, text: str | None, finish_reason: str | None, use: dict[str, Any],
+                  tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """tool_calls: the reply's calls ({id, type, function: {name, arguments}}); none: a text reply."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
         "usage": use,
     }
 

@@ -99,7 +99,8 @@ def plan_resume(
         request,
         request_id=f"{request.request_id}-r{resume}",
         prompt_token_ids=tuple(request.prompt_token_ids) + tuple(delivered),
-        sampling=replace(request.sampling, max_tokens=budget - len(delivered)),
+        # a grammar cannot restart mid-output: the continuation is unconstrained (guided decoding)
+        sampling=replace(request.sampling, max_tokens=budget - len(delivered), constraint=None),
         memory=None,
         kv_transfer_params=None,
         target_replica=None,

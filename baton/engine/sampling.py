@@ -4,6 +4,7 @@ vLLM is imported on first use (the engine thread), never at module import.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from baton.engine.types import GenerationRequest
@@ -20,10 +21,13 @@ def engine_inputs(req: GenerationRequest, kv_transfer_params: dict[str, Any] | N
 
 def sampling_params(req: GenerationRequest, kv_transfer_params: dict[str, Any] | None) -> Any:
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
     s = req.sampling
     extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    c = s.constraint
+    structured = None if c is None else StructuredOutputsParams(json=json.loads(c.json_schema) if c.json_schema else None,
+                                                                structural_tag=c.structural_tag)
     return SamplingParams(
         max_tokens=s.max_tokens,
         temperature=s.temperature,
@@ -37,4 +41,6 @@ def sampling_params(req: GenerationRequest, kv_transfer_params: dict[str, Any] |
         logprobs=0 if s.logprobs else None,
         output_kind=RequestOutputKind.DELTA,
         extra_args=extra,
+        structured_outputs=structured,
+        skip_special_tokens=s.skip_special_tokens,
     )

@@ -11,6 +11,19 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class OutputConstraint:
+    """Guided decoding (vLLM structured outputs): the output must match one of these, each the
+    JSON text vLLM's StructuredOutputsParams takes (a tool call forced by `tool_choice`)."""
+
+    json_schema: str | None = None  # a JSON Schema
+    structural_tag: str | None = None  # an xgrammar structural tag (tagged JSON regions, e.g. <tool_call>...</tool_call>)
+
+    def __post_init__(self) -> None:
+        if (self.json_schema is None) == (self.structural_tag is None):
+            raise ValueError("an output constraint is exactly one of json_schema or structural_tag")
+
+
+@dataclass(frozen=True)
 class SamplingSpec:
     max_tokens: int
     temperature: float = 1.0
@@ -22,6 +35,8 @@ class SamplingSpec:
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
     logprobs: bool = False  # report each sampled token's logprob (GenerationDelta.logprobs)
+    constraint: OutputConstraint | None = None  # guided decoding (None: free text)
+    skip_special_tokens: bool = True  # False keeps special tokens in the text (tool-call tags that are special tokens)
 
 
 @dataclass(frozen=True)
