@@ -241,10 +241,9 @@ class InflightLimit:
             del self._pending[ticket]
             self.totals["overdue"] += 1
             self._report(ticket, math.inf, now)
-        before = self._ctl.limit
-        self._ctl.update(now, self._inflight, self._pool_queueing)
-        if self._metrics is not None and self._ctl.limit != before:
-            self._metrics.admission_limit(self._ctl.limit)
+        decision = self._ctl.update(now, self._inflight, self._pool_queueing)
+        if self._metrics is not None and decision.reason != "period_not_elapsed":
+            self._metrics.admission_limit(self._ctl.limit)  # each evaluation: a gauge set once at start can be missed by the export
 
     def _count(self, outcome: str) -> None:
         self.totals[outcome] += 1

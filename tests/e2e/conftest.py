@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,9 +28,13 @@ def local_args() -> dict[str, Any]:
 
 
 def e2e_args(policy: str = "conversation", decode_replicas: int = 2, prefill_replicas: int = 1, ingress_replicas: int = 2) -> dict[str, Any]:
-    """The local YAML's args, sized for tests: small KV pools, 0.5 CPU per engine."""
+    """The local YAML's args, sized for tests: small KV pools, 0.5 CPU per engine, and a fresh
+    durable state per app (conversation owners and memories in a new temporary folder: a rerun in
+    the same checkout must not find an earlier run's session ids owned, or its facts)."""
     args = local_args()
-    args["routing"] = {**args.get("routing", {}), "policy": policy}
+    state = Path(tempfile.mkdtemp(prefix="baton-e2e-"))
+    args["routing"] = {**args.get("routing", {}), "policy": policy, "ownership_db_path": str(state / "conversations.sqlite3")}
+    args["memory"] = {**args.get("memory", {}), "db_path": str(state / "memories.sqlite3")}
     args["ingress"] = {**args["ingress"], "num_replicas": ingress_replicas}
     engine = {**args["decode"]["engine"], "max_model_len": 4096, "kv_cache_gib": 0.5}
     args["decode"] = {**args["decode"], "num_replicas": decode_replicas, "resources": {"num_cpus": 0.5, "custom": {"decode_slot": 1}}, "engine": engine}
@@ -53,7 +58,10 @@ def start_app(args: dict[str, Any]) -> str:
     if not (MODEL_DIR / "config.json").exists():
         pytest.fail(f"model not provisioned at {MODEL_DIR}: run `make setup` (scripts/setup.sh)")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, resources={"prefill_slot": 2, "decode_slot": 4}, include_dashboard=False, log_to_driver=False)
+    # address="local": always a Ray of the test's own, never a cluster someone started on this
+    # machine (`make demo`, a bench, `ray start`): attaching to one would fail on num_cpus, or
+    # share its resources and state
+    ray.init(address="local", num_cpus=2, resources={"prefill_slot": 2, "decode_slot": 4}, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return deploy(args, f"http://127.0.0.1:{port}")
