@@ -10,6 +10,7 @@ import time
 import httpx
 
 from baton.bench.reliability_admission import Phase, Shot, adaptive_admission, nearest_rank, shot, with_admission
+from baton.bench.reliability_load import Limits
 from deployments.config import IngressConfig
 
 
@@ -54,7 +55,8 @@ def test_goodput_counts_only_200s_on_target_and_failures_stay_in_the_percentiles
 
 def test_the_adaptive_phase_config_is_a_valid_ingress_config_under_the_fixed_cap() -> None:
     args = {"ingress": {"num_replicas": 2, "max_inflight_requests": 4}}
-    out = with_admission(args, adaptive_admission(10.0))
-    assert "admission" not in args["ingress"]  # a copy
+    out = with_admission(args, adaptive_admission(10.0), Limits(2, 4))
+    assert "admission" not in args["ingress"] and args["ingress"]["num_replicas"] == 2  # a copy
     cfg = IngressConfig.model_validate(out["ingress"])
-    assert cfg.admission.mode == "adaptive" and cfg.admission.ttft_target_s == 8.0 and cfg.max_inflight_requests == 4
+    assert cfg.admission.mode == "adaptive" and cfg.admission.ttft_target_s == 8.0
+    assert cfg.num_replicas == 1 and cfg.max_inflight_requests == 8  # one ingress holds the whole admitted concurrency
