@@ -15,7 +15,7 @@ from ray.serve.config import RequestRouterConfig
 
 from baton.engine.args import EngineSpec, build_engine_spec, resolve_model_path
 from deployments.config import AppConfig, ConfigError, PoolConfig, load_app_config
-from deployments.exposure import bind_refusal, serve_http_host
+from deployments.exposure import bind_refusal, serve_grpc_enabled, serve_http_host
 from deployments.ingress import Ingress, IngressSettings
 from deployments.pool import EngineReplicaDeployment
 from kv_transfer.config import PoolRole
@@ -105,7 +105,7 @@ def chat_template_path(path: str | None) -> str | None:
 
 def build_app(args: dict[str, Any] | AppConfig) -> Application:
     cfg = load_app_config(args)
-    refusal = bind_refusal(serve_http_host(), cfg)  # safe by default off loopback (deployments/exposure.py)
+    refusal = bind_refusal(serve_http_host(), cfg, serve_grpc_enabled())  # safe by default off loopback (deployments/exposure.py)
     if refusal is not None:
         raise refusal
     cache = project_path(cfg.model_cache)

@@ -20,10 +20,11 @@ elsewhere — deploy with a config file, as every shipped config does.
 from __future__ import annotations
 
 import ipaddress
+from typing import Any
 
 import ray
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-from ray.serve.config import HTTPOptions
+from ray.serve.config import HTTPOptions, gRPCOptions
 
 from deployments.config import AppConfig, ConfigError
 
@@ -45,18 +46,50 @@ def is_loopback(host: str) -> bool:
     return addr.is_loopback
 
 
-def bind_refusal(host: str | None, cfg: AppConfig) -> ConfigError | None:
+def bind_refusal(host: str | None, cfg: AppConfig, grpc_enabled: bool = False) -> ConfigError | None:
     """Why `cfg` may not be served on `host` (None: it may). `host` None: Serve starts no HTTP
     proxy, nothing listens. API keys (ingress.api_keys_env) make any host safe: the ingress then
-    refuses to start unless the variable holds valid keys (deployments/api_keys.py)."""
+    refuses to start unless the variable holds valid keys (deployments/api_keys.py).
+    grpc_enabled: Serve runs its gRPC proxy, which Serve 2.60 binds on every interface ([::]:port,
+    no host option), so it counts as off loopback whatever http_options.host says."""
     ingress = cfg.ingress
-    if host is None or ingress.api_keys_env is not None or ingress.allow_unauthenticated or is_loopback(host):
+    if ingress.api_keys_env is not None or ingress.allow_unauthenticated:
+        return None
+    if grpc_enabled:
+        return ConfigError(
+            "refusing to start: Serve's gRPC proxy (grpc_options with grpc_servicer_functions) listens on all interfaces "
+            "(Serve binds [::]:port; it has no host option), and ingress.api_keys_env is not set, so anyone who reaches the "
+            "port could act as any user. Set ingress.api_keys_env, drop grpc_options, or set "
+            "ingress.allow_unauthenticated: true to serve without keys on purpose.")
+    if host is None or is_loopback(host):
         return None
     return ConfigError(
         f"refusing to start: Serve's HTTP proxies bind http_options.host={host!r}, which is not loopback, and "
         f"ingress.api_keys_env is not set, so anyone who reaches the port could act as any user. Set "
         f"ingress.api_keys_env to an environment variable holding API keys, bind http_options.host to 127.0.0.1, "
         f"or set ingress.allow_unauthenticated: true to serve without keys on purpose.")
+
+
+def serve_grpc_enabled() -> bool:
+    """Whether the running Serve controller runs gRPC proxies (a port and servicer functions);
+    without one, Serve starts with gRPCOptions() (no servicers: no gRPC server). Fails closed."""
+    controller = _controller()
+    if controller is None:
+        return False
+    try:
+        options: gRPCOptions = ray.get(controller.get_grpc_config.remote(), timeout=CONTROLLER_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - fail closed, with the reason
+        raise ConfigError(f"cannot learn grpc_options from the Serve controller ({type(e).__name__}: {e})") from None
+    return options.port > 0 and bool(options.grpc_servicer_functions)
+
+
+def _controller() -> Any:
+    if not ray.is_initialized():
+        return None
+    try:
+        return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:  # no Serve on this cluster yet
+        return None
 
 
 def serve_http_host() -> str | None:

@@ -42,7 +42,8 @@ class Backend(Protocol):
 
 @dataclass(frozen=True)
 class Reply:
-    """A reply ready for HTTP: a JSON body or an SSE event stream, and the replica that served it."""
+    """A reply: a JSON body or an event stream (SSE text for HTTP, chunk objects for gRPC), and
+    the replica that served it."""
 
     body: dict[str, Any] | None
     events: AsyncIterator[str] | None
@@ -61,9 +62,23 @@ class Prepared:
     tools: ToolPlan | None = None  # the request's tool calling (deployments/tool_calls.py); None: none
 
 
+Chunk = dict[str, Any] | APIError  # an OpenAI chunk object, or the error that ends a stream
+
+
 def sse(payload: dict[str, Any] | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n"
+
+
+async def sse_events(chunks: AsyncIterator[Chunk]) -> AsyncIterator[str]:
+    """The HTTP encoding of a chunk stream: SSE events, an error as its OpenAI body, then [DONE].
+    Closing this closes `chunks` (which aborts the engine request)."""
+    try:
+        async for c in chunks:
+            yield sse(c.body() if isinstance(c, APIError) else c)
+        yield sse("[DONE]")
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
 
 
 class OpenAIFrontend:
@@ -229,16 +244,27 @@ class OpenAIFrontend:
         return Reply(body=build(rid, p.model, text, acc.finish_reason, use), events=None, replica=acc.replica)
 
     async def open_stream(self, p: Prepared) -> Reply:
-        """Streaming: waits for the engine's first output so that a failure before any token is a
-        proper HTTP error (raised here); later failures arrive as an in-stream error event."""
+        """Streaming over HTTP: `events` are SSE text (`data: {...}`, then `data: [DONE]`)."""
+        return await self._open(p, sse_events)
+
+    async def open_chunks(self, p: Prepared) -> Reply:
+        """Streaming for other transports (gRPC): `events` are the OpenAI chunk objects, and a
+        failure after the first token is one last item, the APIError (status and body)."""
+        return await self._open(p, None)
+
+    async def _open(self, p: Prepared, encode: Callable[[AsyncIterator[Chunk]], AsyncIterator[Any]] | None) -> Reply:
+        """Waits for the engine's first output so that a failure before any token is a proper
+        error (raised here); later failures arrive in the stream."""
         ticket = self._admit(p)
         try:
             reply = await self._open_stream(p, ticket)
         except BaseException as e:
             ticket.release(status_of(e))
             raise
-        if reply.events is not None:  # a stream the server never starts still gives its slot back
-            weakref.finalize(reply.events, ticket.release)
+        if reply.events is not None:
+            if encode is not None:
+                reply = replace(reply, events=encode(reply.events))
+            weakref.finalize(reply.events, ticket.release)  # a stream the server never starts still gives its slot back
         return reply
 
     async def _open_stream(self, p: Prepared, ticket: Ticket) -> Reply:
@@ -256,45 +282,42 @@ class OpenAIFrontend:
             self._metrics.request_done(p.endpoint, 500)
             raise
         replica = first.replica if first is not None else None
-        return Reply(body=None, events=self._stream_events(p, acc, first, deltas, ticket), replica=replica)
+        return Reply(body=None, events=self._stream_chunks(p, acc, first, deltas, ticket), replica=replica)
 
-    async def _stream_events(self, p: Prepared, acc: Accumulator, first: GenerationDelta | None, rest: AsyncIterator[GenerationDelta],
-                             ticket: Ticket) -> AsyncIterator[str]:
+    async def _stream_chunks(self, p: Prepared, acc: Accumulator, first: GenerationDelta | None, rest: AsyncIterator[GenerationDelta],
+                             ticket: Ticket) -> AsyncIterator[Chunk]:
         rid, model = p.request.request_id, p.model
         chunk: Callable[..., dict[str, Any]]
         status = 499  # client went away unless we get to the end
         try:
             if p.endpoint == "chat":
-                yield sse(chat_chunk(rid, model, {"role": "assistant", "content": ""}))
+                yield chat_chunk(rid, model, {"role": "assistant", "content": ""})
             pending = [first] if first is not None else []
             parser = self._tools.reply(p.tools, p.request.prompt_token_ids)
             async for d in chain(pending, rest):
                 acc.add(d)
                 if parser is not None:  # tool calls: the parser decides what each delta sends
                     for delta, finish in parser.feed(d):
-                        yield sse(chat_chunk(rid, model, delta, finish))
+                        yield chat_chunk(rid, model, delta, finish)
                 elif d.text or d.finished:
                     if p.endpoint == "chat":
                         delta = {"content": d.text} if d.text else {}
-                        yield sse(chat_chunk(rid, model, delta, d.finish_reason if d.finished else None))
+                        yield chat_chunk(rid, model, delta, d.finish_reason if d.finished else None)
                     else:
-                        yield sse(completion_chunk(rid, model, d.text, d.finish_reason if d.finished else None))
+                        yield completion_chunk(rid, model, d.text, d.finish_reason if d.finished else None)
             acc.finish()
             if p.include_usage:
                 use = usage(acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens)
                 chunk = chat_chunk if p.endpoint == "chat" else completion_chunk
-                yield sse(chunk(rid, model, {} if p.endpoint == "chat" else "", None, use))
+                yield chunk(rid, model, {} if p.endpoint == "chat" else "", None, use)
             status = 200
-            yield sse("[DONE]")
         except APIError as e:
             status = e.status
-            yield sse(e.body())
-            yield sse("[DONE]")
+            yield e
         except Exception as e:  # a bug of ours mid-stream: end the stream cleanly, log the trace
             logger.exception("unexpected error while streaming %s", rid)
             status = 500
-            yield sse(APIError(500, f"internal error ({type(e).__name__})", type="server_error", code="internal_error").body())
-            yield sse("[DONE]")
+            yield APIError(500, f"internal error ({type(e).__name__})", type="server_error", code="internal_error")
         finally:
             ticket.release(status)
             await rest.aclose()  # type: ignore[attr-defined]  # aborts the engine request if unfinished

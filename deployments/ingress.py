@@ -1,8 +1,9 @@
-"""The ingress deployment: OpenAI-compatible HTTP in front of the engine pools."""
+"""The ingress deployment: OpenAI-compatible HTTP, and the same API over gRPC, in front of the engine pools."""
 from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,8 +11,10 @@ from ray import serve
 
 from deployments.backend import PoolBackend
 from deployments.chat import PromptRenderer
+from deployments.chat_service import ChatService
 from deployments.config import RealtimeConfig
 from deployments.frontend import OpenAIFrontend
+from deployments.grpc_api import GrpcFrontend
 from deployments.inflight import InflightLimit
 from deployments.input_limits import InputLimits
 from deployments.memory_api import MemoryFrontend
@@ -71,6 +74,8 @@ class Ingress:
             prefix_cache=settings.prefix_cache,
             tools=tools,
         )
+        self._chat = ChatService(self._frontend, self._memory, settings.input_limits)  # HTTP and gRPC share it
+        self._grpc = GrpcFrontend(self._chat, self._api_keys, self._realtime)
 
     def __serve_build_asgi_app__(self) -> Any:
         try:
@@ -78,7 +83,19 @@ class Ingress:
         except Exception:  # noqa: BLE001 - outside Serve
             ingress_id = None
         return build_openai_app(self._frontend, self._health, self._public_stats, ingress_id, self._api_keys, self._memory, self._realtime,
-                                end_conversation=self._end_conversation, limits=self._settings.input_limits)
+                                end_conversation=self._end_conversation, limits=self._settings.input_limits, chat=self._chat)
+
+    # ---- gRPC (baton.v1.Baton, deployments/grpc_api.py): Serve's gRPC proxy calls the method named after each RPC ----
+    async def ChatCompletion(self, request: Any, grpc_context: Any) -> Any:
+        return await self._grpc.chat_completion(request, grpc_context)
+
+    async def ChatCompletionStream(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:
+        async for chunk in self._grpc.chat_completion_stream(request, grpc_context):
+            yield chunk
+
+    async def Realtime(self, request_stream: Any, grpc_context: Any) -> AsyncIterator[Any]:
+        async for f in self._grpc.realtime(request_stream, grpc_context):
+            yield f
 
     async def _stats(self) -> dict[str, Any]:
         return await asyncio.wait_for(self._directory.snapshot.remote(), timeout=5.0)

@@ -21,12 +21,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.api_keys import access_refusal, authenticate, authorized
 from deployments.api_keys import api_keys_from_env as api_keys_from_env  # re-exported: the ingress imports it from here
+from deployments.chat_service import CallContext, ChatService, check_session_id, session_id
 from deployments.errors import APIError, bad_request, conversation_not_found, unavailable
-from deployments.frontend import OpenAIFrontend, Prepared
-from deployments.input_limits import InputLimits, check_input
+from deployments.frontend import OpenAIFrontend, Reply
+from deployments.input_limits import InputLimits
 from deployments.memory_api import IDEMPOTENCY_HEADER, USER_HEADER, MemoryFrontend, resolve_user
-from deployments.offload import Offload
-from deployments.protocol import SESSION_ID_MAX, AddMemoriesRequest, ChatCompletionRequest, CompletionRequest
+from deployments.protocol import AddMemoriesRequest, ChatCompletionRequest, CompletionRequest
 from deployments.realtime_api import CLOSE_POLICY, RealtimeFrontend
 from deployments.request_body import parse_body
 
@@ -36,22 +36,14 @@ SESSION_HEADER = "x-session-id"
 REPLICA_HEADER = "x-baton-replica"  # which engine replica served the request (debugging, tests)
 INGRESS_HEADER = "x-baton-ingress"  # which ingress replica answered
 _FACT_ID_RE = re.compile(r"^[0-9a-f]{32}$")
-_SESSION_RE = re.compile(rf"^[A-Za-z0-9._:@/+=-]{{1,{SESSION_ID_MAX}}}$")
 
 HealthCheck = Callable[[], Awaitable[dict[str, Any]]]
-Prepare = Callable[[Any, str | None, Request], Awaitable[Prepared]]  # (parsed body, session id, request) -> Prepared
 EndConversation = Callable[[str, str | None], Awaitable[bool]]  # (session id, user) -> whether that user's conversation ended
 
 
 def session_id_of(request: Request, body_session: str | None) -> str | None:
     """The conversation id: the x-session-id header, or the body's session_id; they must agree."""
-    header = request.headers.get(SESSION_HEADER)
-    if header is not None and body_session is not None and header != body_session:
-        raise bad_request("x-session-id header and body session_id differ", param="session_id")
-    sid = header if header is not None else body_session
-    if sid is not None and not _SESSION_RE.match(sid):
-        raise bad_request(f"session id must be 1-{SESSION_ID_MAX} characters of [A-Za-z0-9._:@/+=-]", param="session_id")
-    return sid
+    return session_id(request.headers.get(SESSION_HEADER), body_session)
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
@@ -69,11 +61,14 @@ def build_openai_app(
     realtime: RealtimeFrontend | None = None,
     end_conversation: EndConversation | None = None,
     limits: InputLimits | None = None,
+    chat: ChatService | None = None,
 ) -> FastAPI:
-    """limits: the request bounds (deployments/input_limits.py; default: InputLimits())."""
+    """limits: the request bounds (deployments/input_limits.py; default: InputLimits()).
+    chat: the generation requests' shared logic (deployments/chat_service.py), when the ingress
+    shares it with another transport; default: one over `frontend`, `memory` and `limits`."""
     app = FastAPI(title="Baton", description="OpenAI-compatible conversation serving on Ray Serve", version="0.1.0")
-    app.state.input_limits = limits = limits or InputLimits()
-    render = Offload(limits.render_threads)  # templating and tokenization run here, off the event loop
+    chat_service = chat or ChatService(frontend, memory, limits)
+    app.state.input_limits = chat_service.limits
 
     if api_keys:
 
@@ -123,37 +118,15 @@ def build_openai_app(
     async def models() -> dict[str, Any]:
         return frontend.models()
 
-    async def serve_one(request: Request, endpoint: str, model: type[BaseModel], prepare: Prepare) -> Any:
-        frontend.precheck(endpoint)  # overloaded: 429 before the body is read
-        try:
-            body = await _parse(request, model)
-            bound = _bound_user(request)
-            if bound is not None:  # an API key bound to a user speaks for that user only
-                resolve_user(bound, body.user, request.headers.get(USER_HEADER), required=False)
-                body = body.model_copy(update={"user": bound})
-            sid = session_id_of(request, body.session_id)
-            check_input(body, limits, frontend.max_model_len)  # before any rendering
-            prepared = await prepare(body, sid, request)
-        except APIError as e:
-            frontend.record_rejected(endpoint, e.status)
-            raise
-        return await _respond(frontend, prepared, sid, ingress_id)
-
-    async def prepare_chat(body: ChatCompletionRequest, sid: str | None, request: Request) -> Prepared:
-        if body.memories is None or memory is None:
-            return await render.run(frontend.prepare_chat, body, sid)
-        user = resolve_user(_bound_user(request), body.user, request.headers.get(USER_HEADER), required=True)
-        assert user is not None
-        # the memories' user is the request's (and its tenant's, deployments/salt.py) in both modes
-        recalled = await memory.chat_prompt(body, user)
-        return await render.run(frontend.prepare_chat, body.model_copy(update={"user": user}), sid, recalled)
-
-    async def prepare_completion(body: CompletionRequest, sid: str | None, _: Request) -> Prepared:
-        return await render.run(frontend.prepare_completion, body, sid)
+    async def serve_one(request: Request, endpoint: str, model: type[BaseModel]) -> Any:
+        chat_service.precheck(endpoint)  # overloaded: 429 before the body is read
+        call = CallContext(_bound_user(request), request.headers.get(USER_HEADER), request.headers.get(SESSION_HEADER))
+        ready = await chat_service.prepare(endpoint, lambda: _parse(request, model), call)
+        return _respond(await chat_service.respond(ready), ready.session_id, ingress_id)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        return await serve_one(request, "chat", ChatCompletionRequest, prepare_chat)
+        return await serve_one(request, "chat", ChatCompletionRequest)
 
     if memory is not None:
         _memory_routes(app, memory)
@@ -173,7 +146,7 @@ def build_openai_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        return await serve_one(request, "completions", CompletionRequest, prepare_completion)
+        return await serve_one(request, "completions", CompletionRequest)
 
     return app
 
@@ -227,8 +200,7 @@ def _conversation_routes(app: FastAPI, end_conversation: EndConversation) -> Non
 
     @app.delete("/v1/conversations/{session_id:path}")
     async def delete_conversation(request: Request, session_id: str) -> Any:
-        if not _SESSION_RE.match(session_id):
-            raise bad_request(f"session id must be 1-{SESSION_ID_MAX} characters of [A-Za-z0-9._:@/+=-]", param="session_id")
+        check_session_id(session_id)
         user = resolve_user(_bound_user(request), request.headers.get(USER_HEADER), request.query_params.get("user"), required=False)
         try:
             ended = await end_conversation(session_id, user)
@@ -246,8 +218,7 @@ def _fact_id(fact_id: str) -> str:
     return fact_id
 
 
-async def _respond(frontend: OpenAIFrontend, prepared: Prepared, sid: str | None, ingress_id: str | None) -> Any:
-    reply = await (frontend.open_stream(prepared) if prepared.stream else frontend.complete(prepared))
+def _respond(reply: Reply, sid: str | None, ingress_id: str | None) -> Any:
     headers = {SESSION_HEADER: sid} if sid else {}
     if ingress_id:
         headers[INGRESS_HEADER] = ingress_id

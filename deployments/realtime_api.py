@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocketDisconnect
 
 from baton.engine.realtime.messages import RealtimeClose, RealtimeOpen, RealtimeTick
 from baton.engine.types import EngineRequestError
@@ -66,6 +66,18 @@ class SessionTiming:
 
     tick_ms: int
     deadline_ms: int
+
+
+class Socket(Protocol):
+    """What a session talks to: a starlette WebSocket, or the gRPC stream's FrameSocket
+    (deployments/grpc_realtime.py), which carries the same frames."""
+
+    headers: Any
+
+    async def accept(self) -> None: ...
+    async def receive(self) -> Any: ...
+    async def send_json(self, data: Any) -> None: ...
+    async def close(self, code: int = 1000, reason: str | None = None) -> None: ...
 
 
 class RealtimeMetrics(Protocol):
@@ -142,7 +154,7 @@ class RealtimeFrontend:
     def controller(self) -> AIMDController:
         return self._ctl
 
-    async def serve(self, ws: WebSocket, bound_user: str | None = None) -> None:
+    async def serve(self, ws: Socket, bound_user: str | None = None) -> None:
         """bound_user: the user the client's API key is bound to (None: no key, or an operator key)."""
         await ws.accept()
         try:
@@ -197,7 +209,7 @@ class RealtimeFrontend:
             if replica is not None:
                 self._decode.realtime_close.remote(RealtimeClose(open_msg.session_id, replica))
 
-    async def _receive(self, ws: WebSocket) -> dict[str, Any]:
+    async def _receive(self, ws: Socket) -> dict[str, Any]:
         """The client's next frame; FrameError (4408) when it sends nothing for idle_timeout_s."""
         timeout_s = self._cfg.idle_timeout_s
         try:
@@ -233,7 +245,7 @@ class RealtimeFrontend:
             logger.warning("directory could not place a real-time session (%s)", type(e).__name__)
             return None
 
-    async def _ticks(self, ws: WebSocket, session_id: str, replica: str, deadline_s: float) -> None:
+    async def _ticks(self, ws: Socket, session_id: str, replica: str, deadline_s: float) -> None:
         while True:
             data = await self._receive(ws)
             if data["type"] == "session.end":
@@ -292,7 +304,7 @@ def _session_user(bound: str | None, named: Any, header: str | None) -> str | No
         raise FrameError(e.code or "invalid_value", e.message) from None
 
 
-async def _fail(ws: WebSocket, code: str, message: str, close: int, retry_after_s: float | None = None) -> None:
+async def _fail(ws: Socket, code: str, message: str, close: int, retry_after_s: float | None = None) -> None:
     body: dict[str, Any] = {"type": "error", "code": code, "message": message}
     if retry_after_s is not None:
         body["retry_after_s"] = retry_after_s

@@ -87,6 +87,12 @@ async def parse_body(request: Request, model: type[BaseModel], max_bytes: int) -
         data = decode_json(raw)
     except InvalidJSON as e:
         raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    return validate_body(data, model)
+
+
+def validate_body(data: Any, model: type[BaseModel]) -> Any:
+    """A decoded body validated as `model`; 400 (invalid_json for a non-object, invalid_value
+    naming the field) otherwise. The gRPC API validates its requests here too."""
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
     try:

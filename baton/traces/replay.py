@@ -1,4 +1,6 @@
-"""Replay a trace against an OpenAI-compatible server, as real clients would.
+"""Replay a trace against an OpenAI-compatible server, as real clients would, over HTTP (SSE)
+or Baton's gRPC API (`protocol="grpc"`, baton/traces/replay_grpc.py: the same bodies, the same
+per-turn records).
 
 At most `concurrency` conversations are in flight; within one, turns are sequential: pause
 think_time_s, append the turn's message, stream a completion, append the reply as an assistant
@@ -14,7 +16,7 @@ import datetime as dt
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from tqdm import tqdm
@@ -41,7 +43,7 @@ def request_body(conv: Conversation, turn: Turn, messages: list[dict[str, str]],
                  model: str) -> dict[str, Any]:
     """The chat-completions body for one turn; `messages` already ends with the turn."""
     body: dict[str, Any] = {
-        "model": model,
+        "model": model or None,  # gRPC without --model: the server's own
         "messages": messages,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -73,6 +75,22 @@ def _http_error(status: int, raw: bytes) -> str:
     return f"HTTP {status}: {message or raw.decode('utf-8', 'replace')[:300] or 'no body'}"
 
 
+class Streamer(Protocol):
+    """One transport: send a turn's body, feed its status and stream to `acc`."""
+
+    async def __call__(self, target: _Target, body: dict[str, Any], session_id: str,
+                       acc: StreamAccumulator) -> None: ...
+
+
+@dataclass(frozen=True)
+class HttpStreamer:
+    client: httpx.AsyncClient
+
+    async def __call__(self, target: _Target, body: dict[str, Any], session_id: str,
+                       acc: StreamAccumulator) -> None:
+        await _stream_turn(self.client, target, body, session_id, acc)
+
+
 async def _stream_turn(client: httpx.AsyncClient, target: _Target, body: dict[str, Any],
                        session_id: str, acc: StreamAccumulator) -> None:
     """Send one request and feed its status and stream to `acc`."""
@@ -91,7 +109,7 @@ async def _stream_turn(client: httpx.AsyncClient, target: _Target, body: dict[st
                 break
 
 
-async def send_turn(client: httpx.AsyncClient, target: _Target, conv: Conversation,
+async def send_turn(stream: Streamer, target: _Target, conv: Conversation,
                     index: int, messages: list[dict[str, str]]) -> tuple[TurnRecord, str]:
     """One completion request for turn `index`; returns its record and the reply text."""
     turn = conv.turns[index]
@@ -99,8 +117,8 @@ async def send_turn(client: httpx.AsyncClient, target: _Target, conv: Conversati
     sent = time.perf_counter()
     try:
         await asyncio.wait_for(
-            _stream_turn(client, target, request_body(conv, turn, messages, target.model),
-                         conv.conversation_id, acc),
+            stream(target, request_body(conv, turn, messages, target.model),
+                   conv.conversation_id, acc),
             timeout=target.timeout_s)
     except TimeoutError:
         acc.error = f"timeout after {target.timeout_s:g}s"
@@ -127,7 +145,7 @@ def ttfet(records: list[TurnRecord]) -> float | None:
     return first.send_time_s + first.ttft_s - records[0].send_time_s
 
 
-async def run_conversation(client: httpx.AsyncClient, target: _Target, conv: Conversation,
+async def run_conversation(stream: Streamer, target: _Target, conv: Conversation,
                            bar: tqdm) -> tuple[ConversationRecord, list[TurnRecord]]:
     messages: list[dict[str, str]] = []
     if conv.system:
@@ -136,7 +154,7 @@ async def run_conversation(client: httpx.AsyncClient, target: _Target, conv: Con
     for index, turn in enumerate(conv.turns):
         await asyncio.sleep(turn.think_time_s)
         messages.append({"role": turn.role, "content": turn.content})
-        record, reply = await send_turn(client, target, conv, index, messages)
+        record, reply = await send_turn(stream, target, conv, index, messages)
         records.append(record)
         bar.update(1)
         if not record.ok:
@@ -154,35 +172,50 @@ async def run_conversation(client: httpx.AsyncClient, target: _Target, conv: Con
 async def replay(conversations: list[Conversation], url: str, concurrency: int,
                  model: str | None = None, api_key: str | None = None, timeout_s: float = 300.0,
                  progress: bool = True,
-                 transport: httpx.AsyncBaseTransport | None = None) -> ReplayResult:
-    """Replay `conversations` against `url` (without /v1) with `concurrency` clients.
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 protocol: str = "http") -> ReplayResult:
+    """Replay `conversations` against `url` with `concurrency` clients.
 
-    `transport` replaces the network (tests pass an httpx.MockTransport).
+    protocol "http": `url` is the base URL without /v1; `transport` replaces the network (tests
+    pass an httpx.MockTransport). "grpc": `url` is host:port of the gRPC proxy (grpc:// allowed);
+    without `model` the server's own model is used (the request names none).
     """
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
+    if protocol not in ("http", "grpc"):
+        raise ValueError(f"protocol must be http or grpc, not {protocol!r}")
     url = url.rstrip("/")
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    started_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    if protocol == "grpc":
+        from baton.traces.replay_grpc import grpc_streamer
+
+        async with grpc_streamer(url) as stream:
+            return await _replay(conversations, url, concurrency, model or "", headers, timeout_s, progress, stream)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(transport=transport, timeout=timeout_s, limits=limits) as client:
         model = model or await fetch_model(client, url, headers)
-        target = _Target(url, model, headers, timeout_s, time.perf_counter())
-        queue: asyncio.Queue[int] = asyncio.Queue()
-        for i in range(len(conversations)):
-            queue.put_nowait(i)
-        results: list[tuple[ConversationRecord, list[TurnRecord]] | None]
-        results = [None] * len(conversations)
-        total = sum(len(c.turns) for c in conversations)
+        return await _replay(conversations, url, concurrency, model, headers, timeout_s, progress, HttpStreamer(client))
 
-        with tqdm(total=total, unit="turn", desc="replay", disable=not progress) as bar:
-            async def worker() -> None:
-                while not queue.empty():
-                    i = queue.get_nowait()
-                    results[i] = await run_conversation(client, target, conversations[i], bar)
 
-            await asyncio.gather(*(worker() for _ in range(min(concurrency, len(conversations)))))
-        duration = time.perf_counter() - target.t0
+async def _replay(conversations: list[Conversation], url: str, concurrency: int, model: str,
+                  headers: dict[str, str], timeout_s: float, progress: bool, stream: Streamer) -> ReplayResult:
+    started_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    target = _Target(url, model, headers, timeout_s, time.perf_counter())
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(conversations)):
+        queue.put_nowait(i)
+    results: list[tuple[ConversationRecord, list[TurnRecord]] | None]
+    results = [None] * len(conversations)
+    total = sum(len(c.turns) for c in conversations)
+
+    with tqdm(total=total, unit="turn", desc="replay", disable=not progress) as bar:
+        async def worker() -> None:
+            while not queue.empty():
+                i = queue.get_nowait()
+                results[i] = await run_conversation(stream, target, conversations[i], bar)
+
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(conversations)))))
+    duration = time.perf_counter() - target.t0
 
     done = [r for r in results if r is not None]
     return ReplayResult(url=url, model=model, concurrency=concurrency, started_at=started_at,

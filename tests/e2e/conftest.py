@@ -45,13 +45,17 @@ def e2e_args(policy: str = "conversation", decode_replicas: int = 2, prefill_rep
     return args
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def start_app(args: dict[str, Any]) -> str:
+GRPC_SERVICER = "deployments.grpc_gen.baton_pb2_grpc.add_BatonServicer_to_server"
+
+
+def start_app(args: dict[str, Any], grpc_port: int | None = None) -> str:
+    """grpc_port: also start Serve's gRPC proxy there with Baton's servicer (as local.yaml's grpc_options)."""
     import ray
     from ray import serve
 
@@ -62,8 +66,9 @@ def start_app(args: dict[str, Any]) -> str:
     # machine (`make demo`, a bench, `ray start`): attaching to one would fail on num_cpus, or
     # share its resources and state
     ray.init(address="local", num_cpus=2, resources={"prefill_slot": 2, "decode_slot": 4}, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = free_port()
+    grpc = {"grpc_options": {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]}} if grpc_port else {}
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, **grpc)
     return deploy(args, f"http://127.0.0.1:{port}")
 
 
@@ -103,7 +108,7 @@ def baton_url() -> Any:
 
 
 @contextmanager
-def keyed_app(args: dict[str, Any], keys_env: str, keys: str, ownership_db: Path) -> Iterator[str]:
+def keyed_app(args: dict[str, Any], keys_env: str, keys: str, ownership_db: Path, grpc_port: int | None = None) -> Iterator[str]:
     """An app with API keys on (`keys` in the variable `keys_env`, set before `ray.init` so Ray's
     processes inherit it) and a fresh ownership store (earlier runs' session ids own nothing)."""
     args = {**args, "ingress": {**args["ingress"], "api_keys_env": keys_env},
@@ -111,7 +116,7 @@ def keyed_app(args: dict[str, Any], keys_env: str, keys: str, ownership_db: Path
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(keys_env, keys)
         try:
-            url = start_app(args)
+            url = start_app(args, grpc_port)
         except BaseException:
             import ray
 

@@ -53,7 +53,8 @@ def test_every_shipped_config_starts_and_gpu_ones_use_keys(path: Path) -> None:
     host = doc.get("http_options", {}).get("host", HTTPOptions().host)
     for app in doc["applications"]:
         c = load_app_config(app["args"])
-        assert bind_refusal(host, c) is None
+        grpc_on = bool(doc.get("grpc_options", {}).get("grpc_servicer_functions"))
+        assert bind_refusal(host, c, grpc_on) is None
         if path.name.startswith("gpu_"):
             assert c.ingress.api_keys_env is not None and not c.ingress.allow_unauthenticated
             # the same config without keys on its 0.0.0.0 is the refused start
@@ -112,3 +113,12 @@ def test_without_a_controller_serve_will_start_with_its_default_host(monkeypatch
     monkeypatch.setattr(exposure.ray, "is_initialized", lambda: True)
     monkeypatch.setattr(exposure.ray, "get_actor", no_actor)
     assert serve_http_host() == HTTPOptions().host
+
+
+def test_a_grpc_proxy_counts_as_off_loopback() -> None:
+    """Serve binds its gRPC proxy on [::]: with gRPC on, a loopback HTTP host is no excuse."""
+    e = bind_refusal("127.0.0.1", cfg(), grpc_enabled=True)
+    assert e is not None and "gRPC" in str(e) and "ingress.api_keys_env" in str(e)
+    assert bind_refusal("127.0.0.1", cfg(api_keys_env="BATON_API_KEYS"), grpc_enabled=True) is None
+    assert bind_refusal(None, cfg(allow_unauthenticated=True), grpc_enabled=True) is None
+    assert exposure.serve_grpc_enabled() is False  # Ray not connected: Serve would start without gRPC

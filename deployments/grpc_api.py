@@ -1,0 +1,126 @@
+"""gRPC surface (service baton.v1.Baton, proto/baton/v1/baton.proto) over the same logic as HTTP.
+
+The ingress deployment has one method per RPC (Serve's gRPC proxy calls the method named after
+it, with Serve's gRPC context as `grpc_context`) and each hands over to a GrpcFrontend method:
+
+    ChatCompletion        unary: ChatService.prepare + complete     -> ChatResponse
+    ChatCompletionStream  server stream: prepare + open_chunks      -> ChatChunk per OpenAI chunk
+    Realtime              bidirectional: RealtimeFrontend.serve over a FrameSocket (grpc_realtime.py)
+
+Each call checks its `authorization` metadata with the HTTP API's keys and roles, reads
+`x-session-id` / `x-baton-user` metadata as HTTP reads those headers, bounds the request by
+`ingress.max_body_bytes` (its serialized size), and maps refusals to gRPC statuses
+(deployments/grpc_status.py). A unary failure is its status; a stream's failure is one last
+message holding the error (ChatChunk.error, or an `error` frame), then the status: Serve sends a
+replica's status, trailing metadata included, along with the replica's messages.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from deployments.api_keys import Caller
+from deployments.chat_service import CallContext, ChatService, Ready
+from deployments.errors import APIError
+from deployments.grpc_gen import baton_pb2 as pb
+from deployments.grpc_mapping import chat_body, chunk_message, error_message, response_message
+from deployments.grpc_realtime import FrameSocket, frame, run_session
+from deployments.grpc_status import StatusContext, caller_of, error_status, metadata_text
+from deployments.memory_api import USER_HEADER
+from deployments.protocol import ChatCompletionRequest
+from deployments.realtime_api import RealtimeFrontend
+from deployments.request_body import too_large, validate_body
+
+logger = logging.getLogger("baton.api")
+
+SERVICE = "/baton.v1.Baton/"
+SESSION_METADATA = "x-session-id"
+
+
+def _internal(e: Exception) -> APIError:
+    """A bug of ours: logged with its trace, answered without one (as the HTTP app does)."""
+    logger.error("unexpected error in a gRPC call", exc_info=e)
+    return APIError(500, f"internal error ({type(e).__name__})", type="server_error", code="internal_error")
+
+
+class GrpcFrontend:
+    def __init__(self, chat: ChatService, api_keys: Mapping[str, str | None] | None = None, realtime: RealtimeFrontend | None = None):
+        self._chat = chat
+        self._keys = dict(api_keys or {})
+        self._realtime = realtime
+
+    def _caller(self, context: StatusContext, method: str) -> tuple[Caller, list[tuple[str, Any]]]:
+        metadata = list(context.invocation_metadata() or ())
+        return caller_of(metadata, self._keys, SERVICE + method), metadata
+
+    async def _ready(self, request: pb.ChatRequest, context: StatusContext, method: str, stream: bool) -> Ready:
+        caller, metadata = self._caller(context, method)
+        self._chat.precheck("chat")  # overloaded: RESOURCE_EXHAUSTED before the request is mapped
+        limit = self._chat.limits.max_body_bytes
+
+        async def read() -> ChatCompletionRequest:
+            if request.ByteSize() > limit:
+                raise too_large(limit)
+            return validate_body(chat_body(request, stream), ChatCompletionRequest)  # type: ignore[no-any-return]
+
+        call = CallContext(caller.user, metadata_text(metadata, USER_HEADER), metadata_text(metadata, SESSION_METADATA))
+        return await self._chat.prepare("chat", read, call)
+
+    async def chat_completion(self, request: pb.ChatRequest, context: StatusContext) -> pb.ChatResponse:
+        try:
+            ready = await self._ready(request, context, "ChatCompletion", stream=False)
+            reply = await self._chat.respond_chunks(ready)
+            assert reply.body is not None
+            return response_message(reply.body, reply.replica, ready.session_id)
+        except APIError as e:
+            error_status(e).apply(context)
+        except Exception as e:  # noqa: BLE001 - reported as INTERNAL, never with its trace
+            error_status(_internal(e)).apply(context)
+        return pb.ChatResponse()
+
+    async def chat_completion_stream(self, request: pb.ChatRequest, context: StatusContext) -> AsyncIterator[pb.ChatChunk]:
+        failure: APIError | None = None
+        try:
+            ready = await self._ready(request, context, "ChatCompletionStream", stream=True)
+            reply = await self._chat.respond_chunks(ready)
+        except APIError as e:
+            failure = e
+        except Exception as e:  # noqa: BLE001
+            failure = _internal(e)
+        if failure is not None:
+            yield self._failed(failure, context)
+            return
+        assert reply.events is not None
+        replica = reply.replica
+        try:
+            async for c in reply.events:
+                if isinstance(c, APIError):  # failed after its first token: the stream's last chunk
+                    yield self._failed(c, context)
+                    return
+                yield chunk_message(c, replica)
+                replica = None  # on the first chunk only
+        finally:
+            await reply.events.aclose()  # type: ignore[attr-defined]  # a cancelled RPC aborts its engine request
+
+    @staticmethod
+    def _failed(e: APIError, context: StatusContext) -> pb.ChatChunk:
+        error_status(e).apply(context)  # before the message that carries it
+        return pb.ChatChunk(error=error_message(e))
+
+    async def realtime(self, requests: AsyncIterator[Any], context: StatusContext) -> AsyncIterator[pb.RealtimeFrame]:
+        if self._realtime is None:
+            e = APIError(404, "real-time sessions are off on this deployment (config `realtime`)", code="realtime_unavailable")
+            error_status(e).apply(context)
+            yield frame({"type": "error", "code": e.code, "message": e.message})
+            return
+        try:
+            caller, metadata = self._caller(context, "Realtime")
+        except APIError as e:
+            error_status(e).apply(context)
+            yield frame({"type": "error", "code": e.code, "message": e.message})
+            return
+        headers = {k: v for k, v in metadata if isinstance(v, str)}
+        realtime = self._realtime
+        async for f in run_session(lambda ws: realtime.serve(ws, caller.user), FrameSocket(requests, headers), context):
+            yield f
