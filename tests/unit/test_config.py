@@ -307,3 +307,15 @@ def test_config_is_frozen_and_load_is_idempotent() -> None:
     assert load_app_config(cfg) is cfg
     with pytest.raises(pydantic.ValidationError):
         cfg.name = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("path", CLUSTER_CONFIGS, ids=lambda p: p.name)
+def test_a_config_with_grpc_uses_api_keys(path: Path) -> None:
+    """Serve binds its gRPC proxy on every interface: a shipped config that serves gRPC must use
+    keys (the exposure guard would refuse it otherwise), and the keyless local default has none."""
+    doc = yaml.safe_load(path.read_text())
+    ingress = doc["applications"][0]["args"]["ingress"]
+    if path.name == "local.yaml":
+        assert "grpc_options" not in doc and not ingress.get("allow_unauthenticated")
+    if "grpc_options" in doc:
+        assert ingress.get("api_keys_env") and not ingress.get("allow_unauthenticated")
