@@ -83,7 +83,8 @@ class Ingress:
         except Exception:  # noqa: BLE001 - outside Serve
             ingress_id = None
         return build_openai_app(self._frontend, self._health, self._public_stats, ingress_id, self._api_keys, self._memory, self._realtime,
-                                end_conversation=self._end_conversation, limits=self._settings.input_limits, chat=self._chat)
+                                end_conversation=self._end_conversation, limits=self._settings.input_limits, chat=self._chat,
+                                describe_conversation=self._describe_conversation)
 
     # ---- gRPC (baton.v1.Baton, deployments/grpc_api.py): Serve's gRPC proxy calls the method named after each RPC ----
     async def ChatCompletion(self, request: Any, grpc_context: Any) -> Any:
@@ -110,6 +111,10 @@ class Ingress:
     async def _end_conversation(self, session_id: str, user: str | None) -> bool:
         """DELETE /v1/conversations/{id}: the directory checks the owner, drops the pin and the ownership."""
         return await asyncio.wait_for(self._directory.end_conversation.remote(session_id, user), timeout=5.0)
+
+    async def _describe_conversation(self, session_id: str, user: str | None) -> dict[str, Any] | None:
+        """GET /v1/conversations/{id}: the directory checks the owner and describes the pin."""
+        return await asyncio.wait_for(self._directory.describe_conversation.remote(session_id, user), timeout=5.0)
 
     async def _health(self) -> dict[str, Any]:
         """ok when the directory sees a live decode replica (and a prefill replica where the

@@ -39,6 +39,7 @@ _FACT_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 
 HealthCheck = Callable[[], Awaitable[dict[str, Any]]]
 EndConversation = Callable[[str, str | None], Awaitable[bool]]  # (session id, user) -> whether that user's conversation ended
+DescribeConversation = Callable[[str, str | None], Awaitable[dict[str, Any] | None]]  # (session id, user) -> its info, None: not theirs
 
 
 def session_id_of(request: Request, body_session: str | None) -> str | None:
@@ -62,6 +63,7 @@ def build_openai_app(
     end_conversation: EndConversation | None = None,
     limits: InputLimits | None = None,
     chat: ChatService | None = None,
+    describe_conversation: DescribeConversation | None = None,
 ) -> FastAPI:
     """limits: the request bounds (deployments/input_limits.py; default: InputLimits()).
     chat: the generation requests' shared logic (deployments/chat_service.py), when the ingress
@@ -132,7 +134,7 @@ def build_openai_app(
         _memory_routes(app, memory)
 
     if end_conversation is not None:
-        _conversation_routes(app, end_conversation)
+        _conversation_routes(app, end_conversation, describe_conversation)
 
     if realtime is not None:
 
@@ -194,14 +196,19 @@ def _memory_routes(app: FastAPI, memory: MemoryFrontend) -> None:
         return await memory.delete_all(_memory_user(request))
 
 
-def _conversation_routes(app: FastAPI, end_conversation: EndConversation) -> None:
-    """DELETE /v1/conversations/{id}: the owner ends a conversation. 404 (the same body) for one
-    that is someone else's or nobody's; 503 with Retry-After when the directory cannot answer."""
+def _conversation_routes(app: FastAPI, end_conversation: EndConversation, describe: DescribeConversation | None) -> None:
+    """DELETE /v1/conversations/{id}: the owner ends a conversation; GET: the owner sees its
+    decoder, turns, handoffs and context (router/directory_state.ConversationInfo). 404 (the
+    same body) for one that is someone else's or nobody's; 503 with Retry-After when the
+    directory cannot answer."""
+
+    def _user(request: Request) -> str | None:
+        return resolve_user(_bound_user(request), request.headers.get(USER_HEADER), request.query_params.get("user"), required=False)
 
     @app.delete("/v1/conversations/{session_id:path}")
     async def delete_conversation(request: Request, session_id: str) -> Any:
         check_session_id(session_id)
-        user = resolve_user(_bound_user(request), request.headers.get(USER_HEADER), request.query_params.get("user"), required=False)
+        user = _user(request)
         try:
             ended = await end_conversation(session_id, user)
         except Exception as e:  # noqa: BLE001 - the directory is down or slow: the client retries
@@ -210,6 +217,22 @@ def _conversation_routes(app: FastAPI, end_conversation: EndConversation) -> Non
         if not ended:
             raise conversation_not_found()
         return {"id": session_id, "object": "conversation.deleted", "deleted": True}
+
+    if describe is None:
+        return
+
+    @app.get("/v1/conversations/{session_id:path}")
+    async def get_conversation(request: Request, session_id: str) -> Any:
+        check_session_id(session_id)
+        user = _user(request)
+        try:
+            info = await describe(session_id, user)
+        except Exception as e:  # noqa: BLE001 - the directory is down or slow: the client retries
+            logger.warning("describing a conversation failed: %s", type(e).__name__)
+            raise unavailable(f"conversation directory unavailable ({type(e).__name__})") from None
+        if info is None:
+            raise conversation_not_found()
+        return info
 
 
 def _fact_id(fact_id: str) -> str:

@@ -106,6 +106,11 @@ class ConversationDirectory:
         self._live_pins.set(sum(self._state.pinned_counts().values()))
         return ended
 
+    async def describe_conversation(self, session_id: str, user: str | None) -> dict[str, Any] | None:
+        """GET /v1/conversations/{id}: the owner's view of it (ConversationInfo), None otherwise."""
+        info = self._state.describe(session_id, user, time.monotonic())
+        return info.as_json() if info is not None else None
+
     async def snapshot(self) -> dict[str, Any]:
         return self._state.snapshot(time.monotonic())
 

@@ -56,6 +56,27 @@ class Pin:
     turns: int = 1
     handoffs: int = 0
     adopted: bool = False  # rebuilt from a decoder's report; no turn placed by this directory yet
+    prompt_tokens: int = 0  # the last turn's prompt: the context whose KV the decoder was asked to hold
+
+
+@dataclass(frozen=True)
+class ConversationInfo:
+    """What GET /v1/conversations/{id} tells the owner (DirectoryState.describe)."""
+
+    session_id: str
+    decoder: str
+    turns: int  # turns placed (a rebuilt pin counts the turns this directory has seen)
+    handoffs: int  # KV handoffs from the prefill pool
+    context_tokens: int  # the last turn's prompt tokens (0: not known since a directory restart)
+    resident: bool  # the decoder's latest report lists it: its KV is held there (in use or cached)
+    idle_s: float
+    age_s: float
+    adopted: bool  # the pin was rebuilt from the decoder's report after a directory restart
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.session_id, "object": "conversation", "decoder": self.decoder, "turns": self.turns,
+                "handoffs": self.handoffs, "context_tokens": self.context_tokens, "resident": self.resident,
+                "idle_s": round(self.idle_s, 3), "age_s": round(self.age_s, 3), "adopted": self.adopted}
 
 
 @dataclass(frozen=True)
@@ -182,7 +203,7 @@ class DirectoryState:
         if plan.remote_prefill:
             self.totals["planned_handoffs"] += 1
         if session_id is not None:
-            self._record(session_id, user, plan, now)
+            self._record(session_id, user, plan, now, prompt_tokens)
             plan = replace(plan, turn_index=self._pins[session_id].turns - 1)
         decoders = self.live("decode", now)
         return replace(plan, pool_queueing=bool(decoders) and all(r.num_waiting > 0 for r in decoders),
@@ -194,14 +215,15 @@ class DirectoryState:
         live = self.live("decode", now)
         return sum(r.in_flight + self._unreported.get(r.replica_id, (0, 0))[0] for r in live)
 
-    def _record(self, session_id: str, user: str | None, plan: TurnPlan, now: float) -> None:
+    def _record(self, session_id: str, user: str | None, plan: TurnPlan, now: float, prompt_tokens: int) -> None:
         pin = self._pins.get(session_id)
         if pin is None:
             if len(self._pins) >= self.settings.max_conversations:
                 self._evict_oldest()
-            self._pins[session_id] = Pin(plan.decode_replica, user, now, now, 1, int(plan.remote_prefill))
+            self._pins[session_id] = Pin(plan.decode_replica, user, now, now, 1, int(plan.remote_prefill), prompt_tokens=prompt_tokens)
             self.totals["conversations"] += 1
             return
+        pin.prompt_tokens = prompt_tokens
         pin.decoder = plan.decode_replica
         pin.last_seen = now
         pin.adopted = False
@@ -224,6 +246,18 @@ class DirectoryState:
         held = sum(1 for p in self._pins.values() if p.decoder == replica_id)
         self.totals["replica_failures"] += 1
         return held
+
+    def describe(self, session_id: str, user: str | None, now: float) -> ConversationInfo | None:
+        """The conversation as its owner may see it; None (the same for every other case: someone
+        else's, nobody's, or owned but no longer pinned) unless `user` owns it and it is pinned."""
+        pin = self._pins.get(session_id)
+        owner = self._owners.owner(session_id)
+        if pin is None or owner is None or owner != (user or ""):
+            return None
+        held = self._replicas.get(pin.decoder)
+        resident = held is not None and any(sid == session_id for sid, _ in held.report.conversations)
+        return ConversationInfo(session_id, pin.decoder, pin.turns, pin.handoffs, pin.prompt_tokens, resident,
+                                max(0.0, now - pin.last_seen), max(0.0, now - pin.created), pin.adopted)
 
     def end_conversation(self, session_id: str, user: str | None = None) -> bool:
         """The owner ends a conversation: its ownership is forgotten (the id is free again) and

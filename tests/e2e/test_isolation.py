@@ -235,3 +235,11 @@ def test_a_conversation_hits_its_handed_off_kv_on_its_decoder_under_its_tenant_s
     # bob cannot reach that decoder's copy through alice's conversation: not his, so not found
     r = chat(url, BOB_KEY, messages, session=sid)
     assert r.status_code == 404 and r.json()["error"]["code"] == "conversation_not_found", r.text
+
+    # GET /v1/conversations/{id}: alice sees her conversation where it runs; bob sees nothing
+    seen = httpx.get(f"{url}/v1/conversations/{sid}", headers={"authorization": f"Bearer {ALICE_KEY}"}, timeout=30)
+    assert seen.status_code == 200, seen.text
+    info = seen.json()
+    assert info["decoder"] == decoder and info["turns"] == 2 and info["handoffs"] == 1 and info["context_tokens"] == n2, info
+    hidden = httpx.get(f"{url}/v1/conversations/{sid}", headers={"authorization": f"Bearer {BOB_KEY}"}, timeout=30)
+    assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "conversation_not_found", hidden.text

@@ -41,6 +41,10 @@ class Api:
             body["user"] = user
         return self.client.post("/v1/chat/completions", json=body, headers={"x-session-id": sid, **_auth(key)})
 
+    def get(self, sid: str, user: str | None = None, key: str | None = None) -> httpx.Response:
+        headers = {"x-baton-user": user} if user is not None else {}
+        return self.client.get(f"/v1/conversations/{sid}", headers={**headers, **_auth(key)})
+
     def delete(self, sid: str, user: str | None = None, key: str | None = None) -> httpx.Response:
         headers = {"x-baton-user": user} if user is not None else {}
         return self.client.delete(f"/v1/conversations/{sid}", headers={**headers, **_auth(key)})
@@ -64,7 +68,11 @@ def make_api(api_keys: dict[str, str | None] | None = None, errors: dict[str, Ba
     async def end_conversation(sid: str, user: str | None) -> bool:
         return await directory.end_conversation.remote(sid, user)
 
-    app = build_openai_app(frontend, health, api_keys=api_keys, end_conversation=end_conversation)
+    async def describe(sid: str, user: str | None) -> dict[str, Any] | None:  # as ConversationDirectory.describe_conversation
+        info = await directory.describe.remote(sid, user)
+        return info.as_json() if info is not None else None
+
+    app = build_openai_app(frontend, health, api_keys=api_keys, end_conversation=end_conversation, describe_conversation=describe)
     return Api(TestClient(app, raise_server_exceptions=False), state, directory, decode)
 
 
@@ -134,3 +142,33 @@ def test_a_refused_turn_is_a_plain_http_error_streaming_or_not(stream: bool) -> 
     api = make_api(errors={"route": RuntimeError("down")})
     r = api.client.post("/v1/chat/completions", json={"messages": HELLO, "stream": stream}, headers={"x-session-id": "c"})
     assert r.status_code == 503 and "retry-after" in r.headers
+
+
+def test_the_owner_sees_its_conversation_and_nobody_else_does() -> None:
+    api = make_api()
+    for _ in range(3):
+        assert api.turn("conv-g", "ana").status_code == 200
+    r = api.get("conv-g", user="ana")
+    assert r.status_code == 200, r.text
+    info = r.json()
+    assert info["id"] == "conv-g" and info["object"] == "conversation" and info["decoder"] == "d0"
+    assert info["turns"] == 3 and info["handoffs"] == 0 and info["context_tokens"] > 0 and info["adopted"] is False
+    assert info["resident"] is False  # d0's latest report (before any turn) lists no conversation
+    api.state.report(ReplicaReport("d0", "decode", kv_capacity_tokens=1000, conversations=(("conv-g", 0.5),)), 1.0)
+    assert api.get("conv-g", user="ana").json()["resident"] is True
+    not_found(api.get("conv-g", user="bob"))  # someone else's: exactly as an unknown id
+    not_found(api.get("conv-g"))  # anonymous is another tenant too
+    not_found(api.get("never-opened", user="ana"))
+    assert api.delete("conv-g", user="ana").status_code == 200
+    not_found(api.get("conv-g", user="ana"))  # ended
+
+
+def test_get_with_keys_speaks_for_the_key_s_user_and_503s_without_the_directory() -> None:
+    api = make_api(api_keys={"ka": "ana", "kb": "bob"})
+    assert api.turn("conv-k", key="ka").status_code == 200
+    assert api.get("conv-k", key="ka").status_code == 200
+    not_found(api.get("conv-k", key="kb"))
+    assert api.get("conv-k", user="ana", key="kb").status_code == 403  # a bound key cannot name another user
+    down = make_api(errors={"describe": TimeoutError()})
+    r = down.get("conv-x", user="ana")
+    assert r.status_code == 503 and r.headers.get("retry-after") and r.json()["error"]["code"] == "engine_unavailable"
