@@ -49,9 +49,12 @@ class LocalServeApp:
 
     def __init__(self, args: dict[str, Any], *, resources: dict[str, float], num_cpus: int = 2, http_port: int = 28000, ray_port: int = 26390,
                  log_dir: Path | None = None, start_timeout_s: float = 600,
-                 env: dict[str, str] | None = None, metrics_export_port: int | None = None):
+                 env: dict[str, str] | None = None, metrics_export_port: int | None = None,
+                 grpc_options: dict[str, Any] | None = None):
         """env: extra variables for `ray start` and `serve run` (e.g. the API keys named by
-        ingress.api_keys_env); metrics_export_port: Ray's Prometheus export port (None: Ray's default)."""
+        ingress.api_keys_env); metrics_export_port: Ray's Prometheus export port (None: Ray's default);
+        grpc_options: the Serve config's `grpc_options` (None: no gRPC proxy)."""
+        self._grpc = grpc_options
         self._args, self._resources, self._num_cpus = args, resources, num_cpus
         self._http_port, self._ray_port, self._timeout = http_port, ray_port, start_timeout_s
         # absolute: `serve run` runs in the checkout, not in the caller's working directory
@@ -81,6 +84,7 @@ class LocalServeApp:
         config = {
             "proxy_location": "HeadOnly",
             "http_options": {"host": http_host, "port": self._http_port},
+            **({"grpc_options": self._grpc} if self._grpc else {}),
             "applications": [{"name": "baton", "route_prefix": "/", "import_path": "deployments.app:build_app", "args": self._args}],
         }
         cfg_path = self._log_dir / "serve_config.yaml"

@@ -16,6 +16,7 @@ BENCHMARKS = {
     "admission": "baton.bench.reliability_admission",  # chat admission under overload: fixed bound vs adaptive (TTFT target)
     "realtime": "baton.bench.realtime",  # Metronome: bounded vs unbounded real-time sessions, cliff, AIMD
     "window-quality": "baton.bench.window_quality",  # Metronome: sink + window KV perplexity and repetition
+    "api": "baton.bench.api",  # tool calling round trip, gRPC vs HTTP on one trace (ABBA), gRPC realtime
 }
 
 
