@@ -18,7 +18,9 @@ Each sample carries its concurrency: the most requests seen sharing the pools wi
 admission to its report — this ingress's own in flight, and the pools' in flight as the directory
 last told it (`note_pool`, from each turn's plan: every ingress's requests). The limiter predicts
 the effect of one more request from it (router/chat_admission.py: headroom), so an ingress whose
-requests ran while another ingress was idle does not take that quiet for headroom.
+requests ran while another ingress was idle does not take that quiet for headroom. The
+directory's count lags by up to one report period, so "others" can briefly include requests of
+this ingress that just ended: an error on the side of fewer admissions.
 
 Refusals are cheap and tell the client when to come back:
   * `precheck()` refuses before any work on the request (the body is not parsed, nothing is

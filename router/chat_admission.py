@@ -21,8 +21,9 @@ Refused requests were never admitted and give no sample. Each admitted request g
 Control law (`update(now, inflight)`, at most once per `control_period_s`), AIMD as the real-time
 controller in router/admission.py, over the samples of the window (observed at t with
 t >= now - window_s and t >= the last reset; the window is reset whenever the limit changes, a
-drain-hold is taken, or a period did not bind (whatever its samples), so a decision only looks at requests observed
-under the current limit, and a growth only at requests observed while it held demand back —
+drain-hold is taken, or a period did not bind (whatever its samples), so a decision only looks at
+requests observed under the current limit, and a growth only at requests observed while it held
+demand back —
 TTFTs of an ingress with room to spare, such as requests sent one at a time before a burst, say
 nothing about the latency at the limit):
 
