@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -161,7 +162,11 @@ def run_trace_check(args: argparse.Namespace) -> int:
         return 2
     turns = [t for c in convs for t in c.turns]
     chars = sum(len(c.system or "") for c in convs) + sum(len(t.content) for t in turns)
+    tools = sum(len(json.dumps(c.tools)) for c in convs if c.tools)
+    native = sum(c.native for c in convs)
     print(f"{args.trace}: {len(convs)} conversations, {len(turns)} turns "
           f"({sum(t.effective for t in turns)} effective), ~{chars // 4} prompt tokens of text "
-          f"(system + turns, 4 chars/token), {sum(t.think_time_s for t in turns):.1f} s think time")
+          f"(system + turns, 4 chars/token), {sum(t.think_time_s for t in turns):.1f} s think time"
+          + (f"; {native} native (tool calls run live), ~{tools // 4} tokens of tools JSON"
+             if native else ""))
     return 0

@@ -157,3 +157,15 @@ def test_failed_request_ends_the_conversation():
     result = asyncio.run(replay([_native()], "http://fake", 1, progress=False, transport=httpx.MockTransport(handler)))
     (conv,) = result.conversations
     assert conv.turns_sent == 1 and "HTTP 400" in conv.error and conv.tool_calls == 0
+
+
+def test_cli_wiring(tmp_path, capsys):
+    from baton.cli import build_parser, main
+    from baton.traces.format import dump_trace
+
+    args = build_parser().parse_args(["replay", "t.jsonl", "--url", "http://x", "--max-tool-rounds", "1"])
+    assert args.max_tool_rounds == 1
+    assert build_parser().parse_args(["trace", "bfcl", "--out", "o"]).mode == "prompting"
+    path = dump_trace([_native()], tmp_path / "n.jsonl")
+    assert main(["trace", "check", str(path)]) == 0
+    assert "1 native (tool calls run live)" in capsys.readouterr().out
