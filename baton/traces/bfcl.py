@@ -13,6 +13,13 @@ Per entry (one conversation):
   functions..." text.
 - think times come from random.Random(f"{seed}:{entry id}"): 0 before the first turn,
   user turns uniform(user_think_s), tool turns uniform(tool_think_s).
+
+mode="native" (OpenAI function calling) instead: the docs become the conversation's `tools`
+(baton/traces/bfcl_schema.py), the system prompt is NATIVE_SYSTEM_PROMPT (no docs), the turns are
+the user turns only (all effective: each ends with the model's answer to the user), and
+`tool_env` carries what the replayer needs to execute the model's calls live (involved classes,
+initial_config, renamed tool names). miss_func's added functions arrive as the turn's
+`add_tools`, with ADDED_FUNCTIONS_NATIVE as its text. No ground-truth call is executed.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from baton.traces.bfcl_schema import openai_names, openai_tool, renamed
 from baton.traces.bfcl_tools import ToolSession, results_json
-from baton.traces.format import Conversation, Turn
+from baton.traces.format import Conversation, ToolEnv, Turn
 
 CATEGORIES = ("base", "long_context", "miss_func", "miss_param")
 FUNC_DOC_FILES = {
@@ -57,6 +65,19 @@ SYSTEM_PROMPT = (
 ADDED_FUNCTIONS_PROMPT = (
     "{functions}\nI have updated some more functions you can choose from. What about now?"
 )
+# Native mode: BFCL's own function-calling handlers send no system prompt at all; this one keeps
+# SYSTEM_PROMPT's instructions (its first and last paragraphs, BFCL's wording plus Baton's last
+# sentence) and leaves out the call format and the docs, which the tools and the template carry.
+NATIVE_SYSTEM_PROMPT = (
+    "You are an expert in composing functions. You are given a question and a set of possible "
+    "functions. Based on the question, you will need to make one or more function/tool calls to "
+    "achieve the purpose. If none of the functions can be used, point it out. If the given "
+    "question lacks the parameters required by the function, also point it out.\n\n"
+    "At each turn, you should try your best to complete the tasks requested by the user within "
+    "the current turn. Continue to call tools until you have fulfilled the user's request to the "
+    "best of your ability. When you receive the results of your calls, answer the user briefly."
+)
+ADDED_FUNCTIONS_NATIVE = "I have updated some more functions you can choose from. What about now?"
 
 
 @dataclass(frozen=True)
@@ -70,6 +91,7 @@ class BfclOptions:
     drop_response_schema: bool = False  # drop the docs' "response" schemas (shorter prompts)
     max_tokens: int = 64
     seed: int = 0
+    mode: Literal["prompting", "native"] = "prompting"  # tool docs as text, or OpenAI tools
     user_think_s: tuple[float, float] = (0.5, 2.0)
     tool_think_s: tuple[float, float] = (0.05, 0.3)
     data_dir: Path | None = None  # default: the data/ folder of the installed bfcl_eval
@@ -108,6 +130,8 @@ def entry_to_conversation(
     entry: dict[str, Any], answer: dict[str, Any], data_dir: Path, opts: BfclOptions
 ) -> Conversation:
     """One BFCL entry and its ground truth -> one conversation (see the module docstring)."""
+    if opts.mode == "native":
+        return native_conversation(entry, data_dir, opts)
     entry_id = entry["id"]
     classes = list(entry["involved_classes"])
     docs = _func_docs(data_dir, classes, opts.drop_response_schema)
@@ -143,6 +167,40 @@ def entry_to_conversation(
                         source=f"bfcl:{entry_id}", turns=turns)
 
 
+def native_conversation(entry: dict[str, Any], data_dir: Path, opts: BfclOptions) -> Conversation:
+    """One BFCL entry -> a native function-calling conversation (user turns, tools, tool_env)."""
+    entry_id = entry["id"]
+    classes = list(entry["involved_classes"])
+    docs = _func_docs(data_dir, classes, drop_response=True)
+    names = openai_names(d["name"] for d in docs)
+    held_out = {int(k): set(v) for k, v in entry.get("missed_function", {}).items()}
+    hidden = set().union(*held_out.values()) if held_out else set()
+    rng = random.Random(f"{opts.seed}:{entry_id}")
+    turns: list[Turn] = []
+    for i, question in enumerate(entry["question"][: opts.max_user_turns]):
+        added = None
+        if question:
+            text = "\n".join(m["content"] for m in question if m.get("role") == "user")
+        else:  # miss_func: the held-out functions become available at this turn
+            text = ADDED_FUNCTIONS_NATIVE
+            added = [openai_tool(d, names[d["name"]]) for d in docs if d["name"] in held_out.get(i, set())]
+        turns.append(Turn(role="user", content=text, max_tokens=opts.max_tokens, add_tools=added,
+                          think_time_s=_uniform(rng, opts.user_think_s) if turns else 0.0))
+    env = ToolEnv(classes=classes, initial_config=entry.get("initial_config", {}),
+                  long_context="long_context" in entry_id, names=renamed(names))
+    return Conversation(
+        conversation_id=f"bfcl-{entry_id}", system=NATIVE_SYSTEM_PROMPT, source=f"bfcl:{entry_id}",
+        turns=turns, tools=[openai_tool(d, names[d["name"]]) for d in docs if d["name"] not in hidden],
+        tool_env=env)
+
+
+def _prompt_chars(docs: list[dict[str, Any]], opts: BfclOptions) -> int:
+    """What the tool docs weigh in the prompt: the system prompt, or (native) prompt + tools."""
+    if opts.mode == "native":
+        return len(NATIVE_SYSTEM_PROMPT) + len(json.dumps([openai_tool(d) for d in docs]))
+    return len(SYSTEM_PROMPT.format(functions=json.dumps(docs)))
+
+
 def _eligible(entry: dict[str, Any], data_dir: Path, opts: BfclOptions) -> bool:
     if any(c not in FUNC_DOC_FILES for c in entry["involved_classes"]):
         return False
@@ -150,7 +208,7 @@ def _eligible(entry: dict[str, Any], data_dir: Path, opts: BfclOptions) -> bool:
         return False
     if opts.max_system_chars is not None:
         docs = _func_docs(data_dir, entry["involved_classes"], opts.drop_response_schema)
-        if len(SYSTEM_PROMPT.format(functions=json.dumps(docs))) > opts.max_system_chars:
+        if _prompt_chars(docs, opts) > opts.max_system_chars:
             return False
     return True
 

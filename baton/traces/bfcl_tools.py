@@ -11,6 +11,9 @@ classes (pure in-memory simulations) are allowed; the memory and web-search back
 files or reach the network, are refused. Every call runs with stdout/stderr captured and the
 working directory set to a fresh temporary directory, and every exception becomes the call's
 result string ("Error during execution: ..."), as in BFCL.
+
+`execute_json(name, arguments)` runs a native (OpenAI-style) call: the arguments are JSON text
+that must decode to an object (keyword arguments); the same allow-list applies.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 BACKEND = "bfcl_eval.eval_checker.multi_turn_eval.func_source_code"
 # class name -> module of the multi-turn categories; all are in-memory simulations
@@ -46,8 +49,13 @@ FORBIDDEN_NAMES = {"kill", "exit", "quit", "remove", "unlink", "popen", "Popen",
 
 @dataclass(frozen=True)
 class CallResult:
+    """One call and its result text. status: "ok"; "unparseable" (not a literal call, arguments
+    that are not a JSON object, or a function that is not available or allowed); "error" (the
+    tool raised, or answered with BFCL's {"error": ...})."""
+
     call: str
     result: str
+    status: Literal["ok", "unparseable", "error"] = "ok"
 
 
 @contextlib.contextmanager
@@ -122,15 +130,37 @@ class ToolSession:
         """Run one call string; any failure is returned as the result text, never raised."""
         try:
             name, args, kwargs = parse_call(call)
-            if name in FORBIDDEN_NAMES:
-                raise ValueError(f"Function call {name} is not allowed.")
-            if name not in self._methods:
-                raise ValueError(f"Function {name} is not available.")
+        except Exception as e:  # noqa: BLE001 - a bad call is the call's result
+            return CallResult(call, f"Error during execution: {e}", "unparseable")
+        return self._run(call, name, args, kwargs)
+
+    def execute_json(self, name: str, arguments: str) -> CallResult:
+        """Run one native call: `arguments` is JSON text of an object; never raises."""
+        try:
+            kwargs = json.loads(arguments)
+        except (TypeError, ValueError) as e:
+            return CallResult(f"{name}({arguments})",
+                              f"Error during execution: arguments are not valid JSON: {e}", "unparseable")
+        if not isinstance(kwargs, dict):
+            return CallResult(f"{name}({arguments})", "Error during execution: arguments must be "
+                              f"a JSON object, not {type(kwargs).__name__}", "unparseable")
+        shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        return self._run(f"{name}({shown})", name, [], kwargs)
+
+    def _run(self, call: str, name: str, args: list[Any], kwargs: dict[str, Any]) -> CallResult:
+        if name in FORBIDDEN_NAMES:
+            return CallResult(call, f"Error during execution: Function call {name} is not allowed.",
+                              "unparseable")
+        if name not in self._methods:
+            return CallResult(call, f"Error during execution: Function {name} is not available.",
+                              "unparseable")
+        try:
             with sandboxed():
                 value = self._methods[name](*args, **kwargs)
-            return CallResult(call, _stringify(value))
         except Exception as e:  # noqa: BLE001 - the tool's failure is the tool's result
-            return CallResult(call, f"Error during execution: {e}")
+            return CallResult(call, f"Error during execution: {e}", "error")
+        failed = isinstance(value, dict) and "error" in value
+        return CallResult(call, _stringify(value), "error" if failed else "ok")
 
 
 def _as_json_value(text: str) -> Any:

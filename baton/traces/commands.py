@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ def _register_replay(subparsers: Any) -> None:
     p.add_argument("--limit", type=int, default=None, help="replay only the first N conversations")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per-request limit (default 300)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--max-tool-rounds", type=int, default=3,
+                   help="native traces: requests answering tool results per user turn (default 3)")
     p.set_defaults(func=run_replay)
 
 
@@ -52,8 +55,9 @@ def run_replay(args: argparse.Namespace) -> int:
     try:
         result = asyncio.run(replay(convs, args.url, args.concurrency, model=args.model,
                                     api_key=args.api_key, timeout_s=args.timeout_s,
-                                    progress=not args.no_progress, protocol=args.protocol))
-    except ReplayError as e:
+                                    progress=not args.no_progress, protocol=args.protocol,
+                                    max_tool_rounds=args.max_tool_rounds))
+    except (ReplayError, ValueError) as e:
         print(f"baton replay: {e}", file=sys.stderr)
         return 2
     summary = summarize(result)
@@ -88,6 +92,9 @@ def _register_trace(subparsers: Any) -> None:
                    help="leave the 'response' schemas out of the tool docs")
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--mode", choices=["prompting", "native"], default="prompting",
+                   help="prompting: tool docs in the system prompt, tool turns precomputed "
+                   "(default); native: OpenAI tools, user turns only, calls run live by replay")
     b.set_defaults(func=run_trace_bfcl)
 
     lo = sub.add_parser("locomo", help="LoCoMo -> long multi-session chats")
@@ -123,7 +130,7 @@ def run_trace_bfcl(args: argparse.Namespace) -> int:
         categories=tuple(args.categories or ("base",)), n=args.n, ids=tuple(args.ids),
         min_user_turns=args.min_user_turns, max_user_turns=args.max_user_turns,
         max_system_chars=args.max_system_chars, drop_response_schema=args.drop_response_schema,
-        max_tokens=args.max_tokens, seed=args.seed)
+        max_tokens=args.max_tokens, seed=args.seed, mode=args.mode)
     convs = build_bfcl_trace(opts)
     return _wrote(dump_trace(convs, args.out), convs)
 
@@ -155,7 +162,11 @@ def run_trace_check(args: argparse.Namespace) -> int:
         return 2
     turns = [t for c in convs for t in c.turns]
     chars = sum(len(c.system or "") for c in convs) + sum(len(t.content) for t in turns)
+    tools = sum(len(json.dumps(c.tools)) for c in convs if c.tools)
+    native = sum(c.native for c in convs)
     print(f"{args.trace}: {len(convs)} conversations, {len(turns)} turns "
           f"({sum(t.effective for t in turns)} effective), ~{chars // 4} prompt tokens of text "
-          f"(system + turns, 4 chars/token), {sum(t.think_time_s for t in turns):.1f} s think time")
+          f"(system + turns, 4 chars/token), {sum(t.think_time_s for t in turns):.1f} s think time"
+          + (f"; {native} native (tool calls run live), ~{tools // 4} tokens of tools JSON"
+             if native else ""))
     return 0

@@ -3,6 +3,10 @@
 A conversation is what one client does: it sends its turns in order, pausing `think_time_s`
 before each one, and appends the server's reply to the history as an assistant message before
 the next turn. See docs/TRACES.md for the field reference and an example line.
+
+A native function-calling conversation carries OpenAI `tools` (each checked as the server checks
+a request's tools, deployments/tool_schema.py) and a `tool_env` that executes the model's calls;
+its turns are user turns only: the replayer runs the tool calls live (baton/traces/replay_native.py).
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from deployments.tool_schema import FunctionTool
 
 
 class Turn(BaseModel):
@@ -35,6 +41,43 @@ class Turn(BaseModel):
     ticks: list[Any] | None = Field(
         default=None, description="reserved for real-time sessions; the replayer ignores it"
     )
+    add_tools: list[dict[str, Any]] | None = Field(
+        default=None, description="native: OpenAI tools offered from this turn on (BFCL miss_func)"
+    )
+
+    @field_validator("add_tools")
+    @classmethod
+    def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return check_tools(v)
+
+
+def check_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Each tool valid as a request's tool (name, JSON Schema parameters); names unique."""
+    if tools is None:
+        return None
+    names = [FunctionTool.model_validate(t).function.name for t in tools]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"tool names used twice: {twice}")
+    return tools
+
+
+class ToolEnv(BaseModel):
+    """What executes a native conversation's tool calls: BFCL's simulated tool classes
+    (baton/traces/bfcl_tools.py ToolSession), loaded from the entry's initial state."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["bfcl"] = "bfcl"
+    classes: list[str] = Field(min_length=1, description="BFCL involved_classes")
+    initial_config: dict[str, Any] = Field(default_factory=dict, description="per-class state")
+    long_context: bool = False
+    names: dict[str, str] = Field(
+        default_factory=dict, description="OpenAI tool name -> BFCL function name, where they differ"
+    )
+
+    def bfcl_name(self, tool_name: str) -> str:
+        return self.names.get(tool_name, tool_name)
 
 
 class Conversation(BaseModel):
@@ -47,6 +90,30 @@ class Conversation(BaseModel):
     system: str | None = Field(default=None, description="system prompt, e.g. tool docs")
     source: str = Field(default="", description='where it came from, e.g. "bfcl:multi_turn_base_3"')
     turns: list[Turn] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = Field(
+        default=None, description="native function calling: OpenAI tools sent with every turn"
+    )
+    tool_env: ToolEnv | None = Field(default=None, description="native: executes the calls")
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return check_tools(v)
+
+    @model_validator(mode="after")
+    def _native_shape(self) -> Conversation:
+        if (self.tools is None) != (self.tool_env is None):
+            raise ValueError("tools and tool_env go together (a native function-calling trace)")
+        if self.tools is not None and any(t.role != "user" for t in self.turns):
+            raise ValueError("a native conversation has user turns only (tool calls run live)")
+        if self.tools is None and any(t.add_tools for t in self.turns):
+            raise ValueError("add_tools needs a native conversation (tools and tool_env)")
+        check_tools([*(self.tools or []), *(t for turn in self.turns for t in turn.add_tools or [])])
+        return self
+
+    @property
+    def native(self) -> bool:
+        return self.tools is not None
 
 
 class TraceError(ValueError):

@@ -23,6 +23,13 @@ class TurnRecord:
     status: int | None  # HTTP status; None if no response (connection error, timeout)
     error: str | None = None
     reply_chars: int = 0
+    # native function calling: turn_index counts the conversation's requests; trace_turn is the
+    # trace turn they answer, tool_round 0 its user message, k >= 1 the k-th round of results
+    trace_turn: int | None = None
+    tool_round: int = 0
+    tool_calls: int = 0  # calls in this reply
+    tool_calls_parseable: int = 0  # of them: JSON-object arguments naming an offered tool
+    tool_calls_ok: int = 0  # of them: executed without an error
 
     @property
     def ok(self) -> bool:
@@ -39,6 +46,9 @@ class ConversationRecord:
     first_send_s: float | None  # send time of its first request, from the start of the replay
     ttfet_s: float | None  # first request sent -> first token of the first effective turn
     error: str | None = None
+    tool_calls: int = 0  # native: the sums over its turn records
+    tool_calls_parseable: int = 0
+    tool_calls_ok: int = 0
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,10 @@ class Summary:
     completion_tokens: int
     cached_fraction_followup: float | None  # cached / prompt tokens over turns with index >= 1
     by_turn: list[TurnIndexStats] = field(default_factory=list)
+    tool_calls: int = 0  # native function calling: calls the model made
+    tool_calls_parseable: int = 0  # JSON-object arguments naming an offered tool
+    tool_calls_ok: int = 0  # executed without an error
+    tool_calls_parseable_share: float | None = None  # parseable / made; None without calls
 
 
 def _by_turn(ok: list[TurnRecord]) -> list[TurnIndexStats]:
@@ -81,6 +85,8 @@ def summarize(result: ReplayResult) -> Summary:
     completion = sum(r.completion_tokens or 0 for r in result.turns)
     followup = [r for r in ok if r.turn_index >= 1 and r.prompt_tokens]
     followup_prompt = sum(r.prompt_tokens or 0 for r in followup)
+    calls = sum(r.tool_calls for r in result.turns)
+    parseable = sum(r.tool_calls_parseable for r in result.turns)
     return Summary(
         model=result.model, concurrency=result.concurrency, duration_s=result.duration_s,
         conversations=len(result.conversations),
@@ -96,7 +102,9 @@ def summarize(result: ReplayResult) -> Summary:
         completion_tokens=completion,
         cached_fraction_followup=(sum(r.cached_tokens or 0 for r in followup) / followup_prompt
                                   if followup_prompt else None),
-        by_turn=_by_turn(ok))
+        by_turn=_by_turn(ok), tool_calls=calls, tool_calls_parseable=parseable,
+        tool_calls_ok=sum(r.tool_calls_ok for r in result.turns),
+        tool_calls_parseable_share=parseable / calls if calls else None)
 
 
 def _fmt(value: float | int | None, unit: str = "", digits: int = 3) -> str:
@@ -122,6 +130,9 @@ def format_table(s: Summary) -> str:
         ("prompt / cached / completion tokens",
          f"{s.prompt_tokens} / {s.cached_tokens} / {s.completion_tokens}"),
         ("cached fraction (turns >= 1)", _fmt(s.cached_fraction_followup)),
+        ("tool calls made / parseable / ok",
+         f"{s.tool_calls} / {s.tool_calls_parseable} / {s.tool_calls_ok}"),
+        ("parseable tool-call share", _fmt(s.tool_calls_parseable_share)),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]

@@ -3,6 +3,9 @@
 A stream is lines of `data: {json chunk}` separated by blank lines and ended by `data: [DONE]`.
 A chunk carries `choices[0].delta.content`, and (with stream_options.include_usage) a last chunk
 carries `usage`. A server may report a failure mid-stream as a data event with an "error" key.
+Tool calls arrive as `delta.tool_calls` pieces keyed by `index`: the first piece of a call has
+its `id` and `function.name`, later ones add `function.arguments` text. A whole (non-streamed)
+response fed as one event is read the same way from `choices[0].message`.
 """
 
 from __future__ import annotations
@@ -50,6 +53,15 @@ def error_message(body: Any) -> str | None:
     return str(err)
 
 
+@dataclass(frozen=True)
+class ReplyCall:
+    """One tool call of a reply, reassembled: arguments are JSON text (maybe malformed)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 @dataclass
 class StreamAccumulator:
     """The state of one streamed reply: status, text so far, first-token time, usage, error."""
@@ -60,6 +72,7 @@ class StreamAccumulator:
     usage: dict[str, Any] | None = None
     error: str | None = None
     done: bool = False
+    calls: dict[int, list[str]] = field(default_factory=dict)  # index -> [id, name, arguments]
 
     def feed(self, event: SseEvent, now: float) -> None:
         if event.done:
@@ -76,11 +89,27 @@ class StreamAccumulator:
         if data.get("usage"):
             self.usage = data["usage"]
         for choice in data.get("choices") or []:
-            content = (choice.get("delta") or {}).get("content")
+            delta = choice.get("delta") or choice.get("message") or {}
+            content = delta.get("content")
+            pieces = delta.get("tool_calls") or []
+            if (content or pieces) and self.first_token_at is None:
+                self.first_token_at = now
             if content:
-                if self.first_token_at is None:
-                    self.first_token_at = now
                 self.text_parts.append(content)
+            for position, piece in enumerate(pieces):
+                self._feed_call(piece, position)
+
+    def _feed_call(self, piece: dict[str, Any], position: int) -> None:
+        call = self.calls.setdefault(int(piece.get("index", position)), ["", "", ""])
+        fn = piece.get("function") or {}
+        call[0] = piece.get("id") or call[0]
+        call[1] = fn.get("name") or call[1]  # a name arrives whole, once
+        call[2] += fn.get("arguments") or ""
+
+    @property
+    def tool_calls(self) -> list[ReplyCall]:
+        """The reply's calls in index order."""
+        return [ReplyCall(*self.calls[i]) for i in sorted(self.calls)]
 
     @property
     def text(self) -> str:
