@@ -12,10 +12,16 @@ cluster_configs/local_grpc.yaml (local.yaml + gRPC + API keys), as users take th
    TTFT p50 and output tokens/s over its two replays' turns; ratios gRPC / HTTP.
 3. a real-time session over the bidirectional `Realtime` stream: session.start, N inputs, every
    output in order, session.end, status OK.
+4. BFCL in native function-calling mode: BFCL multi-turn entries with their docs as OpenAI
+   `tools`, replayed over HTTP; the model's calls run against BFCL's own simulated tools and
+   their results go back as `tool` messages (baton/traces/replay_native.py). Reported: errors
+   (must be 0) and the share of the model's calls that were parseable (SmolLM2-135M is weak at
+   this: the figure is what it is, not a goal).
 
 RESULT: tool_call_roundtrip=ok|fail grpc_ttft_ratio_vs_http=<x> grpc_tokens_per_s_ratio=<x>
-grpc_realtime=ok|fail errors=<n> (errors: failed turns over all replays; a failed turn is never
-dropped from the figures: its protocol's error count is printed, and any error fails `ok`).
+grpc_realtime=ok|fail errors=<n> bfcl_native_errors=<n> bfcl_native_parseable_share=<x>
+(errors: failed turns over all ABBA replays; a failed turn is never dropped from the figures:
+its protocol's error count is printed).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import yaml
 
 from baton.bench.cluster import LocalServeApp
 from baton.paths import REPO_ROOT, SAMPLE_TRACES
+from baton.traces.bfcl import BfclOptions, build_bfcl_trace
 from baton.traces.format import load_trace
 from baton.traces.replay import replay
 from baton.traces.report import percentile, summarize
@@ -136,6 +143,22 @@ def replays(url: str, grpc_target: str, rounds: int) -> list[dict[str, Any]]:
     return out
 
 
+# BFCL base entries whose docs fit SmolLM2's context as tools (8.7k-19k characters of tools JSON)
+BFCL_IDS = ("multi_turn_base_56", "multi_turn_base_100", "multi_turn_base_64", "multi_turn_base_107", "multi_turn_base_71",
+            "multi_turn_base_115")
+
+
+def bfcl_native(url: str, key: str, ids: tuple[str, ...]) -> dict[str, Any]:
+    """Check 4 (see the module docstring)."""
+    convs = build_bfcl_trace(BfclOptions(ids=ids, mode="native", max_user_turns=3, max_tokens=128))
+    result = asyncio.run(replay(convs, url, concurrency=3, api_key=key, progress=False, max_tool_rounds=3))
+    s = summarize(result)
+    return {"conversations": len(convs), "turns": s.turns, "errors": s.errors, "tool_calls": s.tool_calls,
+            "parseable": s.tool_calls_parseable, "ok": s.tool_calls_ok, "parseable_share": s.tool_calls_parseable_share,
+            "ttft_p50_s": s.ttft_p50_s,
+            "failures": [t.error for t in result.turns if t.error is not None][:5]}
+
+
 def per_protocol(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """TTFT p50 over every successful turn of a protocol's replays; tokens/s = its completion
     tokens over its replays' wall time; errors summed (never dropped)."""
@@ -190,6 +213,8 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         rows = replays(running.url, target, rounds)
         realtime = asyncio.run(realtime_session(target, OPERATOR, inputs))
         print(f"[api] gRPC realtime: {realtime}", flush=True)
+        bfcl = bfcl_native(running.url, OPERATOR, BFCL_IDS[:3] if quick else BFCL_IDS)
+        print(f"[api] BFCL native: {bfcl}", flush=True)
     proto = per_protocol(rows)
     h, g = proto["http"], proto["grpc"]
     ttft_ratio = g["ttft_p50_s"] / h["ttft_p50_s"] if g["ttft_p50_s"] and h["ttft_p50_s"] else float("nan")
@@ -197,12 +222,13 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     tools_ok = all(v for k, v in tools.items() if k != "call")
     errors = h["errors"] + g["errors"]
     report = {"quick": quick, "order": list(ORDER * rounds), "tool_roundtrip": tools, "replays": rows, "per_protocol": proto,
-              "grpc_ttft_ratio_vs_http": ttft_ratio, "grpc_tokens_per_s_ratio": tps_ratio, "realtime": realtime}
+              "grpc_ttft_ratio_vs_http": ttft_ratio, "grpc_tokens_per_s_ratio": tps_ratio, "realtime": realtime, "bfcl_native": bfcl}
     (out_dir / "api.json").write_text(json.dumps(report, indent=2, default=str))
     _plot(rows, out_dir / "api.png")
     print(f"[api] HTTP: {h}; gRPC: {g}")
     print(f"RESULT tool_call_roundtrip={'ok' if tools_ok else 'fail'} grpc_ttft_ratio_vs_http={ttft_ratio:.3f} "
-          f"grpc_tokens_per_s_ratio={tps_ratio:.3f} grpc_realtime={'ok' if realtime['ok'] else 'fail'} errors={errors}")
+          f"grpc_tokens_per_s_ratio={tps_ratio:.3f} grpc_realtime={'ok' if realtime['ok'] else 'fail'} errors={errors} "
+          f"bfcl_native_errors={bfcl['errors']} bfcl_native_parseable_share={_fmt(bfcl['parseable_share'])}")
     return report
 
 
@@ -221,3 +247,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _fmt(x: float | None) -> str:
+    return "none" if x is None else f"{x:.3f}"
