@@ -22,6 +22,10 @@ PROTO = "baton/v1/baton.proto"
 OUT = REPO_ROOT / "deployments" / "grpc_gen"
 PACKAGE = "deployments.grpc_gen"
 _GENERATED_IMPORT = "from baton.v1 import baton_pb2 as baton_dot_v1_dot_baton__pb2"
+# the module name the message classes carry (their __module__): protoc writes the proto's path,
+# which is not importable here; Ray pickles a class whose module cannot be imported by value,
+# and a upb message class cannot be (Serve hands every gRPC request to the ingress through Ray)
+_GENERATED_MODULE = "_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.baton_pb2', _globals)"
 
 
 def generate(out: Path = OUT, package: str = PACKAGE) -> list[Path]:
@@ -41,6 +45,10 @@ def generate(out: Path = OUT, package: str = PACKAGE) -> list[Path]:
     if _GENERATED_IMPORT not in service:
         raise RuntimeError("the generated service module no longer imports its messages as expected: update baton/tools/protos.py")
     files["baton_pb2_grpc.py"] = service.replace(_GENERATED_IMPORT, f"from {package} import baton_pb2 as baton_dot_v1_dot_baton__pb2")
+    messages = files["baton_pb2.py"]
+    if _GENERATED_MODULE not in messages:
+        raise RuntimeError("the generated message module no longer names itself as expected: update baton/tools/protos.py")
+    files["baton_pb2.py"] = messages.replace(_GENERATED_MODULE, _GENERATED_MODULE.replace("'baton.v1.baton_pb2'", f"'{package}.baton_pb2'"))
     files["__init__.py"] = f'"""Generated from proto/{PROTO} by baton/tools/protos.py (set-up): do not edit, not committed."""\n'
     out.mkdir(parents=True, exist_ok=True)
     written = []

@@ -305,3 +305,17 @@ def test_a_bug_is_internal_without_its_trace() -> None:
     g, _, _, _ = make(FakeBackend(error=KeyError("secret internals")))
     e = rpc_error(unary(g, req()))
     assert e.code() == grpc.StatusCode.INTERNAL and e.details() == "internal error (KeyError)"
+
+
+def test_messages_cross_ray_by_reference_to_an_importable_module() -> None:
+    """Serve hands each gRPC request message from its proxy to the ingress through Ray's
+    cloudpickle; a class whose module cannot be imported is pickled by value, which fails for
+    upb message classes ("cannot pickle ... Descriptor"): the generator names the real module."""
+    from ray import cloudpickle
+
+    from deployments.grpc_gen import baton_pb2 as pb
+
+    for name in pb.DESCRIPTOR.message_types_by_name:
+        assert getattr(pb, name).__module__ == "deployments.grpc_gen.baton_pb2"
+    frame = pb.RealtimeFrame(json='{"type": "input"}')
+    assert cloudpickle.loads(cloudpickle.dumps(frame)) == frame
