@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
 import json
 import tempfile
 import time
@@ -128,7 +127,7 @@ def replays(url: str, grpc_target: str, rounds: int) -> list[dict[str, Any]]:
     trace = load_trace(SAMPLE_TRACES / "agentic_small.jsonl")
     out = []
     for i, protocol in enumerate(ORDER * rounds):
-        convs = [dataclasses.replace(c, conversation_id=f"api{i}-{c.conversation_id}", user=None) for c in trace]
+        convs = [c.model_copy(update={"conversation_id": f"api{i}-{c.conversation_id}", "user": f"api-user-{i}"}) for c in trace]
         t0 = time.monotonic()
         result = asyncio.run(replay(convs, url if protocol == "http" else grpc_target, concurrency=2, api_key=user_key(i),
                                     protocol=protocol, progress=False))
@@ -202,7 +201,7 @@ async def realtime_session(target: str, key: str, inputs: int) -> dict[str, Any]
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     rounds, inputs = (1, 4) if quick else (3, 12)
-    keys = ",".join([OPERATOR, *(f"{user_key(i)}=api-user-{i}" for i in range(len(ORDER) * rounds))])
+    keys = ",".join([OPERATOR, *(f"{user_key(i)}=api-user-{i}" for i in range(len(ORDER) * rounds))])  # replay i: user api-user-i
     app = LocalServeApp(bench_args(), resources=RESOURCES, http_port=HTTP_PORT, ray_port=RAY_PORT, env={"BATON_API_KEYS": keys},
                         grpc_options={"port": GRPC_PORT, "grpc_servicer_functions": grpc_servicers()}, log_dir=out_dir / "serve")
     target = f"127.0.0.1:{GRPC_PORT}"
