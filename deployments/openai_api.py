@@ -202,20 +202,23 @@ def _conversation_routes(app: FastAPI, end_conversation: EndConversation, descri
     same body) for one that is someone else's or nobody's; 503 with Retry-After when the
     directory cannot answer."""
 
-    def _user(request: Request) -> str | None:
-        return resolve_user(_bound_user(request), request.headers.get(USER_HEADER), request.query_params.get("user"), required=False)
+    async def ask(request: Request, session_id: str, what: str, call: Callable[[str, str | None], Awaitable[Any]]) -> Any:
+        """The directory's answer for the request's user; 404 when it has none (falsy), 503 when
+        it cannot answer."""
+        check_session_id(session_id)
+        user = resolve_user(_bound_user(request), request.headers.get(USER_HEADER), request.query_params.get("user"), required=False)
+        try:
+            answer = await call(session_id, user)
+        except Exception as e:  # noqa: BLE001 - the directory is down or slow: the client retries
+            logger.warning("%s a conversation failed: %s", what, type(e).__name__)
+            raise unavailable(f"conversation directory unavailable ({type(e).__name__})") from None
+        if not answer:
+            raise conversation_not_found()
+        return answer
 
     @app.delete("/v1/conversations/{session_id:path}")
     async def delete_conversation(request: Request, session_id: str) -> Any:
-        check_session_id(session_id)
-        user = _user(request)
-        try:
-            ended = await end_conversation(session_id, user)
-        except Exception as e:  # noqa: BLE001 - the directory is down or slow: the client retries
-            logger.warning("ending a conversation failed: %s", type(e).__name__)
-            raise unavailable(f"conversation directory unavailable ({type(e).__name__})") from None
-        if not ended:
-            raise conversation_not_found()
+        await ask(request, session_id, "ending", end_conversation)
         return {"id": session_id, "object": "conversation.deleted", "deleted": True}
 
     if describe is None:
@@ -223,16 +226,7 @@ def _conversation_routes(app: FastAPI, end_conversation: EndConversation, descri
 
     @app.get("/v1/conversations/{session_id:path}")
     async def get_conversation(request: Request, session_id: str) -> Any:
-        check_session_id(session_id)
-        user = _user(request)
-        try:
-            info = await describe(session_id, user)
-        except Exception as e:  # noqa: BLE001 - the directory is down or slow: the client retries
-            logger.warning("describing a conversation failed: %s", type(e).__name__)
-            raise unavailable(f"conversation directory unavailable ({type(e).__name__})") from None
-        if info is None:
-            raise conversation_not_found()
-        return info
+        return await ask(request, session_id, "describing", describe)
 
 
 def _fact_id(fact_id: str) -> str:
