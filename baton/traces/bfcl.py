@@ -2,7 +2,7 @@
 
 Per entry (one conversation):
 - system: BFCL's classic prompting system prompt with the function docs of the entry's
-  `involved_classes` as JSON (minus its held-out functions in the miss_func category).
+  `involved_classes` as JSON, minus its `excluded_function` and its held-out functions (miss_func).
 - for each BFCL question turn, in order:
     user turn  (effective=false: the model is expected to answer with tool calls), then
     tool turn  (effective=true: the results of that turn's ground-truth calls, executed against
@@ -114,11 +114,15 @@ def _class_docs(data_dir: Path, class_name: str) -> tuple[dict[str, Any], ...]:
     return tuple(_read_jsonl(data_dir / "multi_turn_func_doc" / FUNC_DOC_FILES[class_name]))
 
 
-def _func_docs(data_dir: Path, classes: list[str], drop_response: bool) -> list[dict[str, Any]]:
+def _func_docs(data_dir: Path, entry: dict[str, Any], drop_response: bool) -> list[dict[str, Any]]:
+    """The docs of the entry's `involved_classes`, minus its `excluded_function` (functions BFCL
+    withholds from the model for this entry: never shown, in either mode)."""
+    excluded = set(entry.get("excluded_function", ()))
     docs: list[dict[str, Any]] = []
-    for name in classes:
+    for name in entry["involved_classes"]:
         for doc in _class_docs(data_dir, name):
-            docs.append({k: v for k, v in doc.items() if not (drop_response and k == "response")})
+            if doc["name"] not in excluded:
+                docs.append({k: v for k, v in doc.items() if not (drop_response and k == "response")})
     return docs
 
 
@@ -134,7 +138,7 @@ def entry_to_conversation(
         return native_conversation(entry, data_dir, opts)
     entry_id = entry["id"]
     classes = list(entry["involved_classes"])
-    docs = _func_docs(data_dir, classes, opts.drop_response_schema)
+    docs = _func_docs(data_dir, entry, opts.drop_response_schema)
     held_out = {int(k): set(v) for k, v in entry.get("missed_function", {}).items()}
     hidden = set().union(*held_out.values()) if held_out else set()
     shown = [d for d in docs if d["name"] not in hidden]
@@ -171,7 +175,7 @@ def native_conversation(entry: dict[str, Any], data_dir: Path, opts: BfclOptions
     """One BFCL entry -> a native function-calling conversation (user turns, tools, tool_env)."""
     entry_id = entry["id"]
     classes = list(entry["involved_classes"])
-    docs = _func_docs(data_dir, classes, drop_response=True)
+    docs = _func_docs(data_dir, entry, drop_response=True)
     names = openai_names(d["name"] for d in docs)
     held_out = {int(k): set(v) for k, v in entry.get("missed_function", {}).items()}
     hidden = set().union(*held_out.values()) if held_out else set()
@@ -207,7 +211,7 @@ def _eligible(entry: dict[str, Any], data_dir: Path, opts: BfclOptions) -> bool:
     if len(entry["question"]) < opts.min_user_turns:
         return False
     if opts.max_system_chars is not None:
-        docs = _func_docs(data_dir, entry["involved_classes"], opts.drop_response_schema)
+        docs = _func_docs(data_dir, entry, opts.drop_response_schema)
         if _prompt_chars(docs, opts) > opts.max_system_chars:
             return False
     return True

@@ -82,3 +82,13 @@ def test_parse_call():
     for bad in ["x.y()", "f(g())", "1 + 2", "f(**{'a': 1})"]:
         with pytest.raises(ValueError):
             parse_call(bad)
+
+
+def test_excluded_functions_are_never_shown():
+    """BFCL withholds `excluded_function` from the model for an entry (multi_turn_base_3: mv),
+    in the prompting mode's system prompt and in native mode's tools alike."""
+    prompting = build_bfcl_trace(BfclOptions(ids=("multi_turn_base_3",)))[0]
+    native = build_bfcl_trace(BfclOptions(ids=("multi_turn_base_3",), mode="native"))[0]
+    assert '"name": "mv"' not in (prompting.system or "") and '"name": "cp"' in (prompting.system or "")
+    names = {t["function"]["name"] for t in native.tools or ()}
+    assert "mv" not in names and "cp" in names
