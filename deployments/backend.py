@@ -19,7 +19,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from baton.engine.types import ConversationNotFound, EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
 from deployments.metrics import ResumeMetrics
-from deployments.resume import ResumeOutcome, ResumePlan, client_delta, finish_delta, plan_resume
+from deployments.resume import ReplayDiverged, ReplaySplice, ResumeOutcome, ResumePlan, client_delta, finish_delta, plan_resume
 from deployments.turn_placement import Placement
 from router.directory_state import ForeignConversation, PinsRebuilding
 from router.policy import NoReplicaAvailable, TurnPlan
@@ -85,7 +85,9 @@ class PoolBackend:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         delivered: list[int] = []  # token ids the client has, in order
+        delivered_text: list[str] = []  # and their text
         plan: ResumePlan | None = None  # the resume being served
+        splice: ReplaySplice | None = None  # a replay's check of the delivered prefix (constrained output)
         yielded = replaced = failed = False
         turn = request  # what the next decoder is asked
         try:
@@ -102,14 +104,23 @@ class PoolBackend:
                                 first = False
                                 if delta.replica and delta.replica != target:
                                     await self._tell_directory("served", request.session_id, delta.replica)
+                            if splice is not None:
+                                spliced = splice.feed(delta)
+                                if spliced is None:
+                                    continue
+                                delta = spliced
                             if plan is not None:
                                 delta = client_delta(delta, plan)
                             elif not yielded:
                                 delta = replace(delta, turn_index=placement.turn_index)
                             delivered.extend(delta.token_ids)
+                            delivered_text.append(delta.text)
                             yielded = True
                             yield delta
                     return
+                except ReplayDiverged as e:
+                    logger.warning("stream %s: %s; the stream fails", request.request_id, e)
+                    raise ReplicaLost(f"the engine replica died while serving the request, and its replay diverged ({e})") from None
                 except ReplicaLost:
                     if target is not None:
                         await self._tell_directory("replica_failed", target)
@@ -124,6 +135,7 @@ class PoolBackend:
                         logger.warning("decoder %s lost after %d tokens of %s; resuming the stream as %s", target, decision.delivered,
                                        request.request_id, decision.request.request_id)
                         plan, turn = decision, decision.request
+                        splice = ReplaySplice(delivered, "".join(delivered_text)) if decision.replay else None
                         continue
                     if plan is None:
                         self._count(decision.outcome)

@@ -12,6 +12,15 @@ What a resume promises:
                           numerics of another batch, as any two greedy runs)
   sampled                 a continuation of the same prefix; the seed is kept, but the random
                           stream starts afresh, so the tokens differ from an undisturbed run
+  constrained   (guided decoding: a forced tool call, a JSON schema) a grammar cannot start
+                mid-output, so the continuation is a replay: the original request again (its
+                prompt, its constraint, its memories), whose first `replay` tokens must equal the
+                delivered ones and are not sent again (ReplaySplice); the client gets only what
+                follows. A replay is exact only when the output is reproducible: greedy, or
+                sampled with a seed. A constrained sampled request without a seed is not resumed
+                (reason "constrained": the stream fails, as a decoder loss did before resumes). A
+                replay whose tokens diverge from the delivered ones fails the stream
+                (ReplayDiverged), never splices two different outputs.
 What does not cross the splice (stated, not hidden):
   penalties     presence/frequency penalties count generated tokens only; the delivered tokens
                 are prompt for the continuation, so they no longer count
@@ -43,7 +52,8 @@ RESUME_LIMIT = 1
 # limit      the request already used its resumes
 # unplaced   the lost decoder was placed by load (no directory to re-place the conversation)
 # exhausted  every token max_tokens allows was delivered: the stream finishes ("length")
-RefusalReason = Literal["limit", "unplaced", "exhausted"]
+# constrained  guided decoding, sampled without a seed: a replay would not reproduce the output
+RefusalReason = Literal["limit", "unplaced", "exhausted", "constrained"]
 # metric outcomes (deployments/metrics.py): a resumed stream that completed, one finished
 # without a new decoder (exhausted), a refusal that fails the stream, a continuation that failed
 ResumeOutcome = Literal["resumed", "finished", "refused", "failed"]
@@ -54,16 +64,19 @@ class ResumePlan:
     """Continue the stream on another decoder with `request`.
 
     request        the continuation: prompt = original prompt + delivered tokens, max_tokens
-                   reduced by the delivered count, id `<original id>-r<resume>`, memory None
+                   reduced by the delivered count, id `<original id>-r<resume>`, memory None;
+                   a replay (constrained output): the original request, id `<original id>-r<resume>`
     prompt_tokens  the original prompt's length (what the client's deltas report)
     delivered      tokens the client already has
     resume         1 for the request's first resume
+    replay         the continuation's first `replay` tokens regenerate the delivered ones (0: none)
     """
 
     request: GenerationRequest
     prompt_tokens: int
     delivered: int
     resume: int
+    replay: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,12 +108,19 @@ def plan_resume(
     if not placed:
         return ResumeRefused("unplaced")
     resume = resumes_used + 1
+    if request.sampling.constraint is not None:  # a grammar cannot start mid-output: replay it
+        if request.sampling.temperature > 0 and request.sampling.seed is None:
+            return ResumeRefused("constrained")
+        replay = replace(request, request_id=f"{request.request_id}-r{resume}", kv_transfer_params=None, target_replica=None)
+        plan = ResumePlan(replay, prompt_tokens=len(request.prompt_token_ids), delivered=len(delivered), resume=resume,
+                          replay=len(delivered))
+        check_plan(request, plan)
+        return plan
     continuation = replace(
         request,
         request_id=f"{request.request_id}-r{resume}",
         prompt_token_ids=tuple(request.prompt_token_ids) + tuple(delivered),
-        # a grammar cannot restart mid-output: the continuation is unconstrained (guided decoding)
-        sampling=replace(request.sampling, max_tokens=budget - len(delivered), constraint=None),
+        sampling=replace(request.sampling, max_tokens=budget - len(delivered)),
         memory=None,
         kv_transfer_params=None,
         target_replica=None,
@@ -111,8 +131,15 @@ def plan_resume(
 
 
 def check_plan(original: GenerationRequest, plan: ResumePlan) -> None:
-    """The continuation asks for exactly the original's context budget, after its delivered tokens."""
+    """The continuation asks for exactly the original's context budget, after its delivered
+    tokens; a replay is the original request under a new id."""
     cont = plan.request
+    if plan.replay:
+        if replace(cont, request_id=original.request_id) != replace(original, kv_transfer_params=None, target_replica=None):
+            raise ValueError("a replay must ask for the original request")
+        if plan.replay != plan.delivered:
+            raise ValueError("a replay regenerates exactly the delivered tokens")
+        return
     if cont.prompt_token_ids[: plan.prompt_tokens] != tuple(original.prompt_token_ids):
         raise ValueError("a continuation's prompt must start with the original prompt")
     if len(cont.prompt_token_ids) + cont.sampling.max_tokens != len(original.prompt_token_ids) + original.sampling.max_tokens:
@@ -140,3 +167,39 @@ def finish_delta(refusal: ResumeRefused, prompt_tokens: int) -> GenerationDelta:
         raise ValueError(f"a {refusal.reason!r} refusal does not finish the stream")
     return GenerationDelta(text="", token_ids=(), prompt_tokens=prompt_tokens, cached_tokens=0, finished=True,
                            finish_reason=refusal.finish_reason)
+
+
+class ReplayDiverged(RuntimeError):
+    """A replay's tokens differ from those the client already has: the stream cannot be spliced."""
+
+
+class ReplaySplice:
+    """Drops a replay's regenerated prefix, checking it: `feed(delta)` returns the part of the
+    delta the client does not have yet (None while the replay is still behind), and raises
+    ReplayDiverged when the replay's token ids or text differ from the delivered ones.
+
+    Token ids are compared one by one; text as cumulative strings (a token's text can be held
+    back by the detokenizer, the same way in both runs), and a delta is sent from the first
+    token id and the first character beyond the delivered ones."""
+
+    def __init__(self, delivered_ids: Sequence[int], delivered_text: str):
+        self._ids, self._text = tuple(delivered_ids), delivered_text
+        self._seen_ids: list[int] = []
+        self._seen_text = ""
+
+    def feed(self, delta: GenerationDelta) -> GenerationDelta | None:
+        before_ids, before_text = len(self._seen_ids), len(self._seen_text)
+        self._seen_ids.extend(delta.token_ids)
+        self._seen_text += delta.text
+        n, t = min(len(self._seen_ids), len(self._ids)), min(len(self._seen_text), len(self._text))
+        if tuple(self._seen_ids[:n]) != self._ids[:n] or self._seen_text[:t] != self._text[:t]:
+            raise ReplayDiverged(f"the replayed stream diverged from the {len(self._ids)} delivered tokens")
+        new_ids = tuple(self._seen_ids[max(before_ids, len(self._ids)):])
+        new_text = self._seen_text[max(before_text, len(self._text)):]
+        if not new_ids and not new_text and not delta.finished:
+            return None
+        if delta.finished and len(self._seen_ids) < len(self._ids):
+            raise ReplayDiverged(f"the replay finished after {len(self._seen_ids)} of the {len(self._ids)} delivered tokens")
+        kept = len(new_ids)
+        logprobs = delta.logprobs[len(delta.logprobs) - kept:] if kept and delta.logprobs else ()
+        return replace(delta, token_ids=new_ids, text=new_text, logprobs=logprobs)

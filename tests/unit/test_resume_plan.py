@@ -7,8 +7,18 @@ from dataclasses import replace
 
 import pytest
 
-from baton.engine.types import GenerationDelta, GenerationRequest, SamplingSpec
-from deployments.resume import RESUME_LIMIT, ResumePlan, ResumeRefused, check_plan, client_delta, finish_delta, plan_resume
+from baton.engine.types import GenerationDelta, GenerationRequest, OutputConstraint, SamplingSpec
+from deployments.resume import (
+    RESUME_LIMIT,
+    ReplayDiverged,
+    ReplaySplice,
+    ResumePlan,
+    ResumeRefused,
+    check_plan,
+    client_delta,
+    finish_delta,
+    plan_resume,
+)
 from kv_transfer.injection import MemoryFact, MemoryInjection
 
 PROMPT = (11, 12, 13, 14)
@@ -119,3 +129,58 @@ def test_a_continuations_delta_reports_the_original_prompt() -> None:
     assert seen.replica is None and seen.turn_index is None  # a stream's first delta carries those, once
     assert (seen.text, seen.token_ids, seen.finished, seen.finish_reason, seen.logprobs) == (" more", (103,), True, "stop", (-0.5,))
     assert client_delta(replace(engine, cached_tokens=2), plan).cached_tokens == 2
+
+
+# ---- constrained output: a replay, spliced after the delivered tokens ---------------------------------------------
+
+CONSTRAINED = replace(SAMPLING, temperature=0.0, seed=None, constraint=OutputConstraint(json_schema='{"type": "object"}'))
+
+
+def test_a_constrained_stream_replays_the_original_request() -> None:
+    plan = plan_of(plan_resume(original(sampling=CONSTRAINED), [101, 102], resumes_used=0))
+    cont = plan.request
+    assert cont.prompt_token_ids == PROMPT and cont.sampling == CONSTRAINED  # constraint and budget kept
+    assert cont.memory == MEMORY  # the same prompt: its memories are injected as the first decoder did
+    assert cont.request_id == "chatcmpl-1-r1" and cont.target_replica is None and cont.kv_transfer_params is None
+    assert (plan.replay, plan.delivered, plan.resume) == (2, 2, 1)
+
+
+def test_a_replay_is_checked_to_be_the_original_request() -> None:
+    plan = plan_of(plan_resume(original(sampling=CONSTRAINED), [101], resumes_used=0))
+    with pytest.raises(ValueError, match="original request"):
+        check_plan(original(sampling=CONSTRAINED), replace(plan, request=replace(plan.request, prompt_token_ids=PROMPT + (101,))))
+    with pytest.raises(ValueError, match="exactly the delivered"):
+        check_plan(original(sampling=CONSTRAINED), replace(plan, replay=2))
+
+
+def delta(ids: tuple[int, ...], text: str, finished: bool = False) -> GenerationDelta:
+    return GenerationDelta(text=text, token_ids=ids, prompt_tokens=4, cached_tokens=0, finished=finished,
+                           finish_reason="stop" if finished else None, logprobs=tuple(-0.1 * t for t in ids))
+
+
+def test_the_splice_drops_the_regenerated_prefix_and_sends_the_rest() -> None:
+    splice = ReplaySplice([1, 2, 3], "abc")
+    assert splice.feed(delta((1,), "a")) is None
+    assert splice.feed(delta((2,), "b")) is None
+    straddling = splice.feed(delta((3, 4), "cd"))  # one engine step with the last delivered token and a new one
+    assert straddling is not None and (straddling.token_ids, straddling.text, straddling.logprobs) == ((4,), "d", (-0.4,))
+    last = splice.feed(delta((5,), "e", finished=True))
+    assert last is not None and (last.token_ids, last.text, last.finished) == ((5,), "e", True)
+
+
+def test_text_held_back_by_the_detokenizer_is_compared_as_it_comes() -> None:
+    splice = ReplaySplice([1, 2], "xy")
+    assert splice.feed(delta((1,), "")) is None  # held back in this run too
+    got = splice.feed(delta((2, 3), "xyz"))
+    assert got is not None and (got.token_ids, got.text) == ((3,), "z")
+
+
+@pytest.mark.parametrize("bad", [delta((9,), "a"), delta((1,), "q")])
+def test_a_replay_that_diverges_cannot_be_spliced(bad: GenerationDelta) -> None:
+    with pytest.raises(ReplayDiverged):
+        ReplaySplice([1, 2], "ab").feed(bad)
+
+
+def test_a_replay_that_finishes_short_of_the_delivered_tokens_diverged() -> None:
+    with pytest.raises(ReplayDiverged, match="finished after 1"):
+        ReplaySplice([1, 2], "ab").feed(delta((1,), "a", finished=True))

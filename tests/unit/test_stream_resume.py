@@ -19,7 +19,7 @@ with warnings.catch_warnings():  # Ray Serve's own pydantic models warn on impor
     from deployments.ingress import Ingress
 from fakes import FakeDirectory, FakePoolHandle, FakeResponseStream, FakeTokenizer, scripted_deltas
 
-from baton.engine.types import EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
+from baton.engine.types import EngineUnavailable, GenerationDelta, GenerationRequest, OutputConstraint, SamplingSpec
 from deployments.chat import PromptRenderer
 from deployments.frontend import OpenAIFrontend
 from deployments.inflight import InflightLimit
@@ -195,6 +195,31 @@ def test_a_stream_that_delivered_all_its_tokens_finishes_with_length() -> None:
     assert error is None and ids(got) == [10, 11] and len(decode.sent) == 1
     assert got[-1].finished and got[-1].finish_reason == "length" and got[-1].text == ""
     assert metrics.resume_totals == {"finished": 1}
+
+
+def constrained(max_tokens: int = 4) -> GenerationRequest:
+    return GenerationRequest(request_id="r1", prompt_token_ids=PROMPT, session_id="s", user="u",
+                             sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, constraint=OutputConstraint(json_schema="{}")))
+
+
+def test_a_constrained_stream_is_replayed_and_the_client_gets_each_token_once() -> None:
+    decode = FakePoolHandle([dies_after(2, [10, 11, 12, 13], "d0"), FakeResponseStream(emitted([10, 11, 12, 13], replica="d1"))])
+    metrics = RecordingMetrics()
+    got, error = serve(PoolBackend(decode, None, plans("d0", "d1"), metrics), constrained())
+    assert error is None and ids(got) == [10, 11, 12, 13] and "".join(d.text for d in got) == " w10 w11 w12 w13"
+    replay = decode.sent[1]
+    assert replay.prompt_token_ids == PROMPT and replay.sampling.constraint is not None and replay.sampling.max_tokens == 4
+    assert [d.replica for d in got] == ["d0", None, None, None] and got[-1].finished
+    assert metrics.resume_totals == {"resumed": 1}
+
+
+def test_a_replay_that_diverges_fails_the_stream_and_never_splices() -> None:
+    decode = FakePoolHandle([dies_after(2, [10, 11, 12, 13], "d0"), FakeResponseStream(emitted([10, 99, 12, 13], replica="d1"))])
+    metrics = RecordingMetrics()
+    got, error = serve(PoolBackend(decode, None, plans("d0", "d1"), metrics), constrained())
+    assert type(error) is ReplicaLost and "diverged" in str(error)
+    assert ids(got) == [10, 11]  # nothing of the diverging replay reached the client
+    assert metrics.resume_totals == {"failed": 1}
 
 
 def test_with_the_real_directory_the_conversation_moves_to_the_resuming_decoder() -> None:

@@ -6,7 +6,6 @@ backend plays the model."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -326,12 +325,20 @@ def test_constraints_reach_vllm_sampling_params() -> None:
         OutputConstraint()
 
 
-def test_a_resumed_stream_is_unconstrained() -> None:
-    from deployments.resume import ResumePlan, plan_resume
+def test_a_resumed_constrained_stream_replays_under_its_constraint() -> None:
+    """A grammar cannot start mid-output: a forced tool call's stream resumes as a replay of the
+    whole request, constraint kept (deployments/resume.py)."""
+    from deployments.resume import ResumePlan, ResumeRefused, plan_resume
 
-    r = GenerationRequest("r", (1, 2), SamplingSpec(max_tokens=8, constraint=OutputConstraint(json_schema="{}")))
-    plan = plan_resume(r, [5, 6], 0)
-    assert isinstance(plan, ResumePlan) and plan.request.sampling == replace(r.sampling, max_tokens=6, constraint=None)
+    constraint = OutputConstraint(json_schema="{}")
+    greedy = GenerationRequest("r", (1, 2), SamplingSpec(max_tokens=8, temperature=0.0, constraint=constraint))
+    plan = plan_resume(greedy, [5, 6], 0)
+    assert isinstance(plan, ResumePlan) and plan.replay == 2
+    assert plan.request.sampling == greedy.sampling and plan.request.prompt_token_ids == (1, 2)
+    seeded = GenerationRequest("r", (1, 2), SamplingSpec(max_tokens=8, temperature=0.8, seed=3, constraint=constraint))
+    assert isinstance(plan_resume(seeded, [5], 0), ResumePlan)
+    unseeded = GenerationRequest("r", (1, 2), SamplingSpec(max_tokens=8, temperature=0.8, constraint=constraint))
+    assert plan_resume(unseeded, [5], 0) == ResumeRefused("constrained")
 
 
 # ---- conversations and config -----------------------------------------------------------------------------------
