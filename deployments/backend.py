@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import replace
@@ -17,7 +18,15 @@ from typing import Any
 from ray import exceptions as ray_exceptions
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from baton.engine.types import ConversationNotFound, EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
+from baton.engine.types import (
+    ConversationNotFound,
+    EngineRequestError,
+    EngineUnavailable,
+    GenerationDelta,
+    GenerationRequest,
+    SamplingSpec,
+    StageTimes,
+)
 from deployments.metrics import ResumeMetrics
 from deployments.resume import ReplayDiverged, ReplaySplice, ResumeOutcome, ResumePlan, client_delta, finish_delta, plan_resume
 from deployments.turn_placement import Placement
@@ -93,12 +102,13 @@ class PoolBackend:
         try:
             while True:
                 placement = await self._place(turn)
+                placed = time.time()
                 if plan is not None:  # a resume is prefilled on its new decoder: one hop fewer in a recovery path
                     placement = replace(placement, remote_prefill=False)
                 target = placement.decode_replica
                 first = True
                 try:
-                    async with aclosing(self._stream(turn, placement)) as stream:
+                    async with aclosing(self._stream(turn, placement, placed)) as stream:
                         async for delta in stream:
                             if first:
                                 first = False
@@ -152,20 +162,27 @@ class PoolBackend:
             if plan is not None:
                 self._count("failed" if failed else "resumed")
 
-    async def _stream(self, request: GenerationRequest, placement: Placement) -> AsyncIterator[GenerationDelta]:
+    async def _stream(self, request: GenerationRequest, placement: Placement, placed: float) -> AsyncIterator[GenerationDelta]:
         """One decoder's stream for `request` as placed (after a remote prefill when the placement
         says so). Ray failures come out translated; the engine request is cancelled unless it
-        finished (failed, or closed early by the consumer)."""
+        finished (failed, or closed early by the consumer). Its first delta's timing gains the
+        ingress's stages (placed at `placed`, the remote prefill, the delta's arrival)."""
         kv_params = await self._remote_prefill(request) if placement.remote_prefill else None
+        prefilled = time.time() if placement.remote_prefill else None
         # the prefill engine injected the memories and its KV arrives over NIXL: the decoder
         # has nothing left to inject (the cache salt stays, so later turns hit that KV)
         memory = None if kv_params else request.memory
         decode_req = replace(request, target_replica=placement.decode_replica, kv_transfer_params=kv_params, memory=memory)
         gen = self._decode.options(stream=True).generate.remote(decode_req)
         done = False
+        first = True
         try:
             async for delta in gen:
                 done = delta.finished
+                if first:
+                    first = False
+                    delta = replace(delta, timing=replace(delta.timing or StageTimes(), placed=placed, prefilled=prefilled,
+                                                          ingress_first=time.time()))
                 yield delta
         except Exception as e:
             translated = translate_error(e)

@@ -15,10 +15,12 @@ A transport only turns its request into a body and the Reply into its own wire f
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from baton.engine.types import StageTimes
 from deployments.errors import APIError, bad_request
 from deployments.frontend import OpenAIFrontend, Prepared, Reply
 from deployments.input_limits import InputLimits, check_input
@@ -44,6 +46,7 @@ class CallContext:
 class Ready:
     prepared: Prepared
     session_id: str | None
+    timing: StageTimes = StageTimes()  # received and prepared (the reply's first delta adds the rest)
 
 
 def check_session_id(sid: str) -> str:
@@ -74,6 +77,7 @@ class ChatService:
     async def prepare(self, endpoint: str, read: Callable[[], Awaitable[Any]], call: CallContext) -> Ready:
         """`read()` gives the validated body (ChatCompletionRequest for chat, CompletionRequest
         for completions) or raises its APIError (413, 400)."""
+        received = time.time()
         try:
             body = await read()
             if call.bound_user is not None:  # an API key bound to a user speaks for that user only
@@ -88,7 +92,7 @@ class ChatService:
         except APIError as e:
             self.frontend.record_rejected(endpoint, e.status)
             raise
-        return Ready(prepared, sid)
+        return Ready(prepared, sid, StageTimes(received=received, prepared=time.time()))
 
     async def _prepare_chat(self, body: ChatCompletionRequest, sid: str | None, call: CallContext) -> Prepared:
         if body.memories is None or self.memory is None:
@@ -102,10 +106,16 @@ class ChatService:
     async def respond(self, ready: Ready) -> Reply:
         """HTTP: a JSON body, or SSE events for a streaming request."""
         p = ready.prepared
-        return await (self.frontend.open_stream(p) if p.stream else self.frontend.complete(p))
+        return _timed(await (self.frontend.open_stream(p) if p.stream else self.frontend.complete(p)), ready)
 
     async def respond_chunks(self, ready: Ready) -> Reply:
         """Other transports: a JSON body, or chunk objects (a failure mid-stream: a last APIError)."""
         p = ready.prepared
-        return await (self.frontend.open_chunks(p) if p.stream else self.frontend.complete(p))
+        return _timed(await (self.frontend.open_chunks(p) if p.stream else self.frontend.complete(p)), ready)
+
+
+def _timed(reply: Reply, ready: Ready) -> Reply:
+    """The reply's stage times with the ingress's own (received, prepared)."""
+    timing = replace(reply.timing or StageTimes(), received=ready.timing.received, prepared=ready.timing.prepared)
+    return replace(reply, timing=timing)
 

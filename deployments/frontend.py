@@ -14,7 +14,15 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from baton.engine.types import ConversationNotFound, EngineRequestError, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
+from baton.engine.types import (
+    ConversationNotFound,
+    EngineRequestError,
+    EngineUnavailable,
+    GenerationDelta,
+    GenerationRequest,
+    SamplingSpec,
+    StageTimes,
+)
 from deployments.chat import PromptRenderer
 from deployments.errors import APIError, bad_request, conversation_not_found, unavailable
 from deployments.inflight import InflightLimit, Ticket, status_of
@@ -48,6 +56,7 @@ class Reply:
     body: dict[str, Any] | None
     events: AsyncIterator[str] | None
     replica: str | None
+    timing: StageTimes | None = None  # its first token's way (deployments/hop_timing.py)
 
 
 @dataclass(frozen=True)
@@ -239,9 +248,9 @@ class OpenAIFrontend:
         if parser is not None:
             r = parser.complete(text, acc.finish_reason)
             body = chat_response(rid, p.model, r.content, r.finish_reason, use, [c.as_openai() for c in r.calls])
-            return Reply(body=body, events=None, replica=acc.replica)
+            return Reply(body=body, events=None, replica=acc.replica, timing=acc.timing)
         build = chat_response if p.endpoint == "chat" else completion_response
-        return Reply(body=build(rid, p.model, text, acc.finish_reason, use), events=None, replica=acc.replica)
+        return Reply(body=build(rid, p.model, text, acc.finish_reason, use), events=None, replica=acc.replica, timing=acc.timing)
 
     async def open_stream(self, p: Prepared) -> Reply:
         """Streaming over HTTP: `events` are SSE text (`data: {...}`, then `data: [DONE]`)."""
@@ -281,8 +290,8 @@ class OpenAIFrontend:
         except Exception:
             self._metrics.request_done(p.endpoint, 500)
             raise
-        replica = first.replica if first is not None else None
-        return Reply(body=None, events=self._stream_chunks(p, acc, first, deltas, ticket), replica=replica)
+        replica, timing = (first.replica, first.timing) if first is not None else (None, None)
+        return Reply(body=None, events=self._stream_chunks(p, acc, first, deltas, ticket), replica=replica, timing=timing)
 
     async def _stream_chunks(self, p: Prepared, acc: Accumulator, first: GenerationDelta | None, rest: AsyncIterator[GenerationDelta],
                              ticket: Ticket) -> AsyncIterator[Chunk]:

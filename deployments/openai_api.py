@@ -24,6 +24,7 @@ from deployments.api_keys import api_keys_from_env as api_keys_from_env  # re-ex
 from deployments.chat_service import CallContext, ChatService, check_session_id, session_id
 from deployments.errors import APIError, bad_request, conversation_not_found, unavailable
 from deployments.frontend import OpenAIFrontend, Reply
+from deployments.hop_timing import server_timing
 from deployments.input_limits import InputLimits
 from deployments.memory_api import IDEMPOTENCY_HEADER, USER_HEADER, MemoryFrontend, resolve_user
 from deployments.protocol import AddMemoriesRequest, ChatCompletionRequest, CompletionRequest
@@ -241,6 +242,8 @@ def _respond(reply: Reply, sid: str | None, ingress_id: str | None) -> Any:
         headers[INGRESS_HEADER] = ingress_id
     if reply.replica:
         headers[REPLICA_HEADER] = reply.replica
+    if reply.timing is not None:
+        headers["Server-Timing"] = server_timing(reply.timing)
     if reply.events is not None:
         return StreamingResponse(reply.events, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
     return JSONResponse(reply.body, headers=headers)

@@ -15,7 +15,7 @@ from baton.engine.args import EngineSpec
 from baton.engine.realtime.manager import RealtimeSessions, UnknownSession
 from baton.engine.realtime.messages import RealtimeClose, RealtimeOpen, RealtimeTick, TickResult
 from baton.engine.runner import EngineRunner
-from baton.engine.types import EngineStats, EngineUnavailable, GenerationDelta, GenerationRequest
+from baton.engine.types import EngineStats, EngineUnavailable, GenerationDelta, GenerationRequest, StageTimes
 from deployments.log_guard import serve_logging_kept
 from deployments.metrics import ServeSegmentMetrics
 from deployments.replica_report import HeldConversations, replica_report
@@ -63,13 +63,14 @@ class EngineReplica:
         logger.info("pool %s: engine up in %.1fs (pid %d)", pool, self.start_seconds, os.getpid())
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        received = time.time()
         if self._pool == "decode":  # a decoder holds the conversation's KV (a prefill replica hands it off)
             self._held.served(request.session_id, time.monotonic())
         injection = await self._memory_segments(request)
         first = True
         async for delta in self._runner.generate(request, injection=injection):
             if first:
-                delta = replace(delta, replica=self._replica_id)
+                delta = replace(delta, replica=self._replica_id, timing=replace(delta.timing or StageTimes(), replica_received=received))
                 first = False
             yield delta
 

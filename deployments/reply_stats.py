@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from baton.engine.types import GenerationDelta
+from baton.engine.types import GenerationDelta, StageTimes
 from deployments.inflight import Ticket
 from deployments.metrics import IngressMetrics
 
@@ -28,11 +28,13 @@ class Accumulator:
         self.finish_reason: str | None = None
         self.texts: list[str] = []
         self.replica: str | None = None
+        self.timing: StageTimes | None = None  # the first delta's
         self._turn: int | None = None
         self._t_first: float | None = None
 
     def add(self, d: GenerationDelta) -> None:
         self.replica = self.replica or d.replica
+        self.timing = self.timing or d.timing
         if d.turn_index is not None:
             self._turn = d.turn_index
         if d.token_ids and self._t_first is None:

@@ -151,13 +151,14 @@ def check_plan(original: GenerationRequest, plan: ResumePlan) -> None:
 def client_delta(delta: GenerationDelta, plan: ResumePlan) -> GenerationDelta:
     """A continuation's delta as the client's stream reports it: the original prompt's length
     (the delivered tokens are completion, not prompt), cached tokens capped at it, and no
-    replica or turn index (those are set on a stream's first delta only)."""
+    replica, turn index or timing (those are set on a stream's first delta only)."""
     return replace(
         delta,
         prompt_tokens=plan.prompt_tokens,
         cached_tokens=min(delta.cached_tokens, plan.prompt_tokens),
         replica=None,
         turn_index=None,
+        timing=None,
     )
 
 

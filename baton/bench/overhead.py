@@ -5,7 +5,11 @@ process, one engine at a time, so they do not share the 2 cores).
 bare  : vLLM's LLMEngine driven directly in one process (no HTTP, no Ray).
 baton : `ray start` + `serve run` of a Baton config with one decode engine replica, over HTTP
         (/v1/completions with token-id prompts, SSE), the client in this process.
-Both get the same warm-up requests first.
+Both get the same warm-up requests first, then two passes: the prompts one at a time
+(concurrency 1: the per-request overhead alone) and at the closed-loop concurrency (the RESULT's
+ratios). Every Baton request's Server-Timing header gives its hops (deployments/hop_timing.py);
+`outside` = the client's TTFT minus the server's `total` (the HTTP proxy both ways and the
+client). The breakdown is the median of each hop over a pass's requests.
 """
 from __future__ import annotations
 
@@ -18,11 +22,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from baton.bench.stats import PhaseSummary, RequestTiming, summarize_phase
+from baton.bench.stats import PhaseSummary, RequestTiming, quantile, summarize_phase
 from baton.paths import REPO_ROOT, SAMPLE_TRACES
 
 ROOT = REPO_ROOT
 TRACE = SAMPLE_TRACES / "agentic_small.jsonl"
+SINGLE = 6  # prompts of the concurrency-1 pass
 
 
 def build_prompts(model_path: str, n: int) -> list[list[int]]:
@@ -66,6 +71,13 @@ def _bare_phase(model_path: str, prompts: list[list[int]], max_tokens: int, conc
         engine.add_request(f"w{i}", {"prompt_token_ids": ids}, params)
         while engine.has_unfinished_requests():
             engine.step()
+    single = _bare_loop(engine, params, prompts[:SINGLE], max_tokens, 1, "s")
+    timings, wall = _bare_loop(engine, params, prompts, max_tokens, concurrency, "r")
+    out.put({"summary": asdict(summarize_phase("bare_vllm", timings, wall)), "single": asdict(summarize_phase("bare_vllm_c1", *single)),
+             "start_s": start_s, "rss_bytes": _rss()})
+
+
+def _bare_loop(engine: Any, params: Any, prompts: list[list[int]], max_tokens: int, concurrency: int, tag: str) -> tuple[list[RequestTiming], float]:
     sent: dict[str, float] = {}
     first: dict[str, float] = {}
     timings: list[RequestTiming] = []
@@ -73,7 +85,7 @@ def _bare_phase(model_path: str, prompts: list[list[int]], max_tokens: int, conc
     t_start = time.monotonic()
     while len(timings) < len(prompts):
         while len(sent) - len(timings) < concurrency and nxt < len(prompts):
-            rid = f"r{nxt}"
+            rid = f"{tag}{nxt}"
             engine.add_request(rid, {"prompt_token_ids": prompts[nxt]}, params)
             sent[rid] = time.monotonic()
             nxt += 1
@@ -83,8 +95,7 @@ def _bare_phase(model_path: str, prompts: list[list[int]], max_tokens: int, conc
                 first[o.request_id] = now
             if o.finished:
                 timings.append(RequestTiming(first[o.request_id] - sent[o.request_id], now - sent[o.request_id], max_tokens))
-    wall = time.monotonic() - t_start
-    out.put({"summary": asdict(summarize_phase("bare_vllm", timings, wall)), "start_s": start_s, "rss_bytes": _rss()})
+    return timings, time.monotonic() - t_start
 
 
 def _baton_phase(model_path: str, prompts: list[list[int]], max_tokens: int, concurrency: int, warmup: list[list[int]]) -> dict[str, Any]:
@@ -100,35 +111,60 @@ def _baton_phase(model_path: str, prompts: list[list[int]], max_tokens: int, con
         url = f"{app.url}/v1/completions"
         rss = replica_rss_bytes("decode")
         asyncio.run(_http_closed_loop(url, warmup, max_tokens, 1))
-        timings, wall = asyncio.run(_http_closed_loop(url, prompts, max_tokens, concurrency))
-    return {"summary": asdict(summarize_phase("baton", timings, wall)), "start_s": app.start_seconds, "rss_bytes": rss[0] if rss else 0}
+        single_t, single_wall, single_hops = asyncio.run(_http_closed_loop(url, prompts[:SINGLE], max_tokens, 1))
+        timings, wall, hops = asyncio.run(_http_closed_loop(url, prompts, max_tokens, concurrency))
+    return {"summary": asdict(summarize_phase("baton", timings, wall)), "single": asdict(summarize_phase("baton_c1", single_t, single_wall)),
+            "hops": hop_breakdown(hops), "hops_single": hop_breakdown(single_hops), "start_s": app.start_seconds,
+            "rss_bytes": rss[0] if rss else 0}
 
 
-async def _http_closed_loop(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[list[RequestTiming], float]:
+def hop_breakdown(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Median seconds per hop over the requests that reported it (HOPS order, then `outside`)."""
+    from deployments.hop_timing import HOPS
+
+    out = {}
+    for name in (*HOPS, "outside"):
+        values = [r[name] for r in rows if name in r]
+        if values:
+            out[name] = quantile(values, 0.5)
+    return out
+
+
+async def _http_closed_loop(url: str, prompts: list[list[int]], max_tokens: int,
+                            concurrency: int) -> tuple[list[RequestTiming], float, list[dict[str, float]]]:
+    """Closed loop over HTTP; per request its timing and its hops (Server-Timing + `outside`)."""
     import httpx
 
-    async def one(http: httpx.AsyncClient, ids: list[int]) -> RequestTiming:
+    from deployments.hop_timing import parse_server_timing
+
+    async def one(http: httpx.AsyncClient, ids: list[int]) -> tuple[RequestTiming, dict[str, float]]:
         body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
         t = time.monotonic()
         ttft = None
         async with http.stream("POST", url, json=body) as r:
             r.raise_for_status()
+            hops = parse_server_timing(r.headers.get("server-timing", ""))
             async for line in r.aiter_lines():
                 if ttft is None and line.startswith("data: {") and '"text":""' not in line:
                     ttft = time.monotonic() - t
-        return RequestTiming(ttft if ttft is not None else float("nan"), time.monotonic() - t, max_tokens)
+        if ttft is not None and "total" in hops:
+            hops["outside"] = ttft - hops["total"]
+        return RequestTiming(ttft if ttft is not None else float("nan"), time.monotonic() - t, max_tokens), hops
 
     queue = list(prompts)
     timings: list[RequestTiming] = []
+    hops: list[dict[str, float]] = []
 
     async def worker(http: httpx.AsyncClient) -> None:
         while queue:
-            timings.append(await one(http, queue.pop(0)))
+            timing, h = await one(http, queue.pop(0))
+            timings.append(timing)
+            hops.append(h)
 
     async with httpx.AsyncClient(timeout=600) as http:
         t = time.monotonic()
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
-        return timings, time.monotonic() - t
+        return timings, time.monotonic() - t, hops
 
 
 def _rss() -> int:
@@ -159,8 +195,11 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     print(f"[overhead] bare vLLM : {bare['summary']}")
     baton = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup)
     print(f"[overhead] Baton     : {baton['summary']}")
+    print(f"[overhead] Baton hops at concurrency 1 (median s): {baton['hops_single']}")
+    print(f"[overhead] Baton hops at concurrency {concurrency} (median s): {baton['hops']}")
     b, s = bare["summary"], baton["summary"]
     ratios = {
+        "ttft_p50_ratio_c1": baton["single"]["ttft_p50_s"] / bare["single"]["ttft_p50_s"],
         "ttft_p50_ratio": s["ttft_p50_s"] / b["ttft_p50_s"],
         "ttft_p95_ratio": s["ttft_p95_s"] / b["ttft_p95_s"],
         "e2e_p50_ratio": s["e2e_p50_s"] / b["e2e_p50_s"],
@@ -173,7 +212,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     print(json.dumps(report, indent=2))
     print(f"[overhead] wrote {out_dir / 'overhead.json'} and {out_dir / 'overhead.png'}")
     print(
-        f"RESULT ttft_p50_ratio={ratios['ttft_p50_ratio']:.3f} e2e_p50_ratio={ratios['e2e_p50_ratio']:.3f} "
+        f"RESULT ttft_p50_ratio={ratios['ttft_p50_ratio']:.3f} ttft_p50_ratio_c1={ratios['ttft_p50_ratio_c1']:.3f} e2e_p50_ratio={ratios['e2e_p50_ratio']:.3f} "
         f"throughput_ratio={ratios['throughput_ratio']:.3f} baton_start_s={baton['start_s']:.1f} "
         f"replica_rss_gib={baton['rss_bytes'] / (1 << 30):.2f}"
     )

@@ -48,5 +48,6 @@ def coalesce(item: Any, pending: asyncio.Queue) -> Any:
             kv_transfer_params=nxt.kv_transfer_params or item.kv_transfer_params,
             replica=item.replica or nxt.replica,
             logprobs=item.logprobs + nxt.logprobs,
+            timing=item.timing or nxt.timing,
         )
     return item

@@ -30,7 +30,15 @@ from baton.engine.deltas import coalesce, delta_from_output
 from baton.engine.sampling import engine_inputs
 from baton.engine.scheduler_stats import find_scheduler, kv_capacity_tokens, scheduler_stats
 from baton.engine.streams import Stream, StreamTable
-from baton.engine.types import EngineRequestError, EngineStats, EngineUnavailable, GenerationDelta, GenerationRequest, SamplingSpec
+from baton.engine.types import (
+    EngineRequestError,
+    EngineStats,
+    EngineUnavailable,
+    GenerationDelta,
+    GenerationRequest,
+    SamplingSpec,
+    StageTimes,
+)
 from baton.engine.vllm_engine import apply_engine_environment, build_vllm_engine, shutdown_engine
 
 if TYPE_CHECKING:
@@ -77,6 +85,7 @@ class EngineRunner:
         self._segment_table = segment_table
         self._commands: queue.Queue = queue.Queue()
         self._streams = StreamTable()
+        self._added: dict[str, float] = {}  # engine thread only: when each request without a first output yet was added
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self.start_seconds = 0.0
@@ -244,11 +253,13 @@ class EngineRunner:
         try:
             prompt, params = engine_inputs(cmd.request, cmd.kv_transfer_params)
             engine.add_request(rid, prompt, params)
+            self._added[rid] = time.time()
         except Exception as e:  # noqa: BLE001 - the engine rejects one request; it lives on
             self._streams.finish(rid, EngineRequestError(str(e)))
 
     def _abort(self, engine: Any, cmd: _Abort) -> None:
         try:
+            self._added.pop(cmd.request_id, None)
             if self._streams.close(cmd.request_id, cmd.stream):
                 engine.abort_request([cmd.request_id])
         finally:
@@ -268,8 +279,12 @@ class EngineRunner:
                 cmd.segments.discard(cmd.request_id)
 
     def _dispatch(self, outputs: list[Any]) -> None:
+        now = time.time()
         for out in outputs:
             delta = delta_from_output(out)
+            added = self._added.pop(out.request_id, None)
+            if added is not None:  # its first output: when it was added, and this step
+                delta = replace(delta, timing=StageTimes(engine_added=added, engine_first=now))
             if delta.finished:
                 self._streams.finish(out.request_id, delta)
             else:

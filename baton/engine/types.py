@@ -1,7 +1,7 @@
 """Typed messages between the ingress and the engine replicas (no vLLM import: the ingress uses them too)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kv_transfer.injection import MemoryInjection
@@ -57,6 +57,24 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class StageTimes:
+    """When one request passed each stage on its way to its first token: wall-clock seconds
+    (time.time(), comparable across the processes of one machine; across nodes, up to their
+    clock offset). Each layer stamps its own stages on the request's first delta
+    (deployments/hop_timing.py turns them into the Server-Timing header); None: not passed
+    (e.g. no remote prefill) or not known to the layer that reports it."""
+
+    received: float | None = None  # the ingress got the request (before its body was read)
+    prepared: float | None = None  # body parsed and validated, memories recalled, prompt templated and tokenized
+    placed: float | None = None  # the directory's plan came back
+    prefilled: float | None = None  # the prefill pool's handoff came back (remote prefill only)
+    replica_received: float | None = None  # the decode replica's generate began
+    engine_added: float | None = None  # the engine thread added it (after memory KV was resolved)
+    engine_first: float | None = None  # the engine step that produced its first token returned
+    ingress_first: float | None = None  # its first delta reached the ingress
+
+
+@dataclass(frozen=True)
 class GenerationDelta:
     """What one engine step produced for one request (new text and tokens only)."""
 
@@ -73,6 +91,7 @@ class GenerationDelta:
     # the KV a capture request asked for (finished delta only; EngineRunner.generate(capture=...)).
     # Capture requests are made inside the replica: deltas sent to the ingress never carry one.
     capture: CaptureResult | None = None
+    timing: StageTimes | None = field(default=None, compare=False)  # the first delta only (StageTimes); not content, so not compared
 
 
 @dataclass(frozen=True)

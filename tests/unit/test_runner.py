@@ -78,6 +78,20 @@ def test_a_request_streams_its_tokens_and_finishes() -> None:
     assert engine.shut_down.is_set()
 
 
+def test_the_first_delta_says_when_the_engine_added_the_request_and_stepped_its_first_token() -> None:
+    runner, _, _ = make(tokens=3)
+    try:
+        before = time.time()
+        deltas = asyncio.run(collect(runner, request(max_tokens=3)))
+        after = time.time()
+    finally:
+        runner.shutdown()
+    t = deltas[0].timing
+    assert t is not None and t.engine_added is not None and t.engine_first is not None
+    assert before <= t.engine_added <= t.engine_first <= after
+    assert all(d.timing is None for d in deltas[1:])  # the first delta only
+
+
 def test_cancelling_the_consumer_aborts_the_request() -> None:
     runner, engine, _ = make(tokens=10_000)
 
