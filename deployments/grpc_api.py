@@ -5,6 +5,9 @@ it, with Serve's gRPC context as `grpc_context`) and each hands over to a GrpcFr
 
     ChatCompletion        unary: ChatService.prepare + complete     -> ChatResponse
     ChatCompletionStream  server stream: prepare + open_chunks      -> ChatChunk per OpenAI chunk
+    Completion            unary (/v1/completions)                   -> CompletionResponse
+    CompletionStream      server stream                             -> CompletionChunk per chunk
+    ListModels            unary (/v1/models)                        -> ListModelsResponse
     Realtime              bidirectional: RealtimeFrontend.serve over a FrameSocket (grpc_realtime.py)
 
 Each call checks its `authorization` metadata with the HTTP API's keys and roles, reads
@@ -24,11 +27,20 @@ from deployments.api_keys import Caller
 from deployments.chat_service import CallContext, ChatService, Ready
 from deployments.errors import APIError
 from deployments.grpc_gen import baton_pb2 as pb
-from deployments.grpc_mapping import chat_body, chunk_message, error_message, response_message
+from deployments.grpc_mapping import (
+    chat_body,
+    chunk_message,
+    completion_body,
+    completion_chunk_message,
+    completion_message,
+    error_message,
+    models_message,
+    response_message,
+)
 from deployments.grpc_realtime import FrameSocket, frame, run_session
 from deployments.grpc_status import StatusContext, caller_of, error_status, metadata_text
 from deployments.memory_api import USER_HEADER
-from deployments.protocol import ChatCompletionRequest
+from deployments.protocol import ChatCompletionRequest, CompletionRequest
 from deployments.realtime_api import RealtimeFrontend
 from deployments.request_body import too_large, validate_body
 
@@ -36,6 +48,8 @@ logger = logging.getLogger("baton.api")
 
 SERVICE = "/baton.v1.Baton/"
 SESSION_METADATA = "x-session-id"
+# endpoint -> (its message as the HTTP body, the body's model): validated as over HTTP
+_BODIES: dict[str, tuple[Any, Any]] = {"chat": (chat_body, ChatCompletionRequest), "completions": (completion_body, CompletionRequest)}
 
 
 def _internal(e: Exception) -> APIError:
@@ -54,59 +68,82 @@ class GrpcFrontend:
         metadata = list(context.invocation_metadata() or ())
         return caller_of(metadata, self._keys, SERVICE + method), metadata
 
-    async def _ready(self, request: pb.ChatRequest, context: StatusContext, method: str, stream: bool) -> Ready:
+    async def _ready(self, request: Any, context: StatusContext, method: str, endpoint: str, stream: bool) -> Ready:
         caller, metadata = self._caller(context, method)
-        self._chat.precheck("chat")  # overloaded: RESOURCE_EXHAUSTED before the request is mapped
+        self._chat.precheck(endpoint)  # overloaded: RESOURCE_EXHAUSTED before the request is mapped
         limit = self._chat.limits.max_body_bytes
+        to_body, model = _BODIES[endpoint]
 
-        async def read() -> ChatCompletionRequest:
+        async def read() -> Any:
             if request.ByteSize() > limit:
                 raise too_large(limit)
-            return validate_body(chat_body(request, stream), ChatCompletionRequest)  # type: ignore[no-any-return]
+            return validate_body(to_body(request, stream), model)
 
         call = CallContext(caller.user, metadata_text(metadata, USER_HEADER), metadata_text(metadata, SESSION_METADATA))
-        return await self._chat.prepare("chat", read, call)
+        return await self._chat.prepare(endpoint, read, call)
 
-    async def chat_completion(self, request: pb.ChatRequest, context: StatusContext) -> pb.ChatResponse:
+    async def _unary(self, request: Any, context: StatusContext, method: str, endpoint: str, empty: Any) -> Any:
         try:
-            ready = await self._ready(request, context, "ChatCompletion", stream=False)
+            ready = await self._ready(request, context, method, endpoint, stream=False)
             reply = await self._chat.respond_chunks(ready)
             assert reply.body is not None
-            return response_message(reply.body, reply.replica, ready.session_id)
+            build = response_message if endpoint == "chat" else completion_message
+            return build(reply.body, reply.replica, ready.session_id)
         except APIError as e:
             error_status(e).apply(context)
         except Exception as e:  # noqa: BLE001 - reported as INTERNAL, never with its trace
             error_status(_internal(e)).apply(context)
-        return pb.ChatResponse()
+        return empty
 
-    async def chat_completion_stream(self, request: pb.ChatRequest, context: StatusContext) -> AsyncIterator[pb.ChatChunk]:
+    async def _stream(self, request: Any, context: StatusContext, method: str, endpoint: str) -> AsyncIterator[Any]:
+        encode, message = (chunk_message, pb.ChatChunk) if endpoint == "chat" else (completion_chunk_message, pb.CompletionChunk)
         failure: APIError | None = None
         try:
-            ready = await self._ready(request, context, "ChatCompletionStream", stream=True)
+            ready = await self._ready(request, context, method, endpoint, stream=True)
             reply = await self._chat.respond_chunks(ready)
         except APIError as e:
             failure = e
         except Exception as e:  # noqa: BLE001
             failure = _internal(e)
         if failure is not None:
-            yield self._failed(failure, context)
+            yield self._failed(failure, context, message)
             return
         assert reply.events is not None
         replica = reply.replica
         try:
             async for c in reply.events:
                 if isinstance(c, APIError):  # failed after its first token: the stream's last chunk
-                    yield self._failed(c, context)
+                    yield self._failed(c, context, message)
                     return
-                yield chunk_message(c, replica)
+                yield encode(c, replica)
                 replica = None  # on the first chunk only
         finally:
             await reply.events.aclose()  # type: ignore[attr-defined]  # a cancelled RPC aborts its engine request
 
+    async def chat_completion(self, request: pb.ChatRequest, context: StatusContext) -> pb.ChatResponse:
+        return await self._unary(request, context, "ChatCompletion", "chat", pb.ChatResponse())  # type: ignore[no-any-return]
+
+    def chat_completion_stream(self, request: pb.ChatRequest, context: StatusContext) -> AsyncIterator[pb.ChatChunk]:
+        return self._stream(request, context, "ChatCompletionStream", "chat")
+
+    async def completion(self, request: pb.CompletionRequest, context: StatusContext) -> pb.CompletionResponse:
+        return await self._unary(request, context, "Completion", "completions", pb.CompletionResponse())  # type: ignore[no-any-return]
+
+    def completion_stream(self, request: pb.CompletionRequest, context: StatusContext) -> AsyncIterator[pb.CompletionChunk]:
+        return self._stream(request, context, "CompletionStream", "completions")
+
+    async def list_models(self, request: pb.ListModelsRequest, context: StatusContext) -> pb.ListModelsResponse:
+        try:
+            self._caller(context, "ListModels")
+        except APIError as e:
+            error_status(e).apply(context)
+            return pb.ListModelsResponse()
+        return models_message(self._chat.frontend.models())
+
     @staticmethod
-    def _failed(e: APIError, context: StatusContext) -> pb.ChatChunk:
+    def _failed(e: APIError, context: StatusContext, message: Any) -> Any:
         error_status(e).apply(context)  # before the message that carries it
-        return pb.ChatChunk(error=error_message(e))
+        return message(error=error_message(e))
 
     async def realtime(self, requests: AsyncIterator[Any], context: StatusContext) -> AsyncIterator[pb.RealtimeFrame]:
         if self._realtime is None:

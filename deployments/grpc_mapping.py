@@ -3,8 +3,10 @@
 Server: `chat_body(ChatRequest)` is the chat-completions body (a dict) that
 `ChatCompletionRequest` then validates exactly as over HTTP; `response_message` and
 `chunk_message` turn the frontend's OpenAI reply and chunk objects into ChatResponse/ChatChunk.
+Completions alike: `completion_body`, `completion_message`, `completion_chunk_message`.
 Client (`baton replay --protocol grpc`, tests): `chat_request(body)` builds a ChatRequest from an
-HTTP body, and `chunk_event` turns a ChatChunk back into the SSE event it stands for.
+HTTP body (`completion_request` a CompletionRequest), and `chunk_event` turns a ChatChunk back
+into the SSE event it stands for.
 Unset optional fields stay absent from the body, so the server's defaults apply as over HTTP.
 """
 from __future__ import annotations
@@ -34,6 +36,28 @@ def chat_body(req: pb.ChatRequest, stream: bool) -> dict[str, Any]:
         body["tools"] = _json(req.tools_json, "tools_json")
     if req.tool_choice_json:
         body["tool_choice"] = _json(req.tool_choice_json, "tool_choice_json")
+    if stream and req.include_usage:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+_COMPLETION_OPTIONAL = tuple(f for f in _OPTIONAL if f != "parallel_tool_calls")
+
+
+def completion_body(req: pb.CompletionRequest, stream: bool) -> dict[str, Any]:
+    """The completions body; the prompt is the text or the token ids (a missing one: absent, so
+    the body's validation answers it as over HTTP)."""
+    body: dict[str, Any] = {"stream": stream}
+    kind = req.WhichOneof("prompt")
+    if kind == "text":
+        body["prompt"] = req.text
+    elif kind == "token_ids":
+        body["prompt"] = list(req.token_ids.ids)
+    body.update({f: getattr(req, f) for f in _COMPLETION_OPTIONAL if req.HasField(f)})
+    if req.stop:
+        body["stop"] = list(req.stop)
+    if req.ignore_eos:
+        body["ignore_eos"] = True
     if stream and req.include_usage:
         body["stream_options"] = {"include_usage": True}
     return body
@@ -92,6 +116,27 @@ def chunk_message(chunk: dict[str, Any], replica: str | None = None) -> pb.ChatC
     return out
 
 
+def completion_message(body: dict[str, Any], replica: str | None, session_id: str | None) -> pb.CompletionResponse:
+    """An OpenAI text_completion object as a CompletionResponse."""
+    choice = body["choices"][0]
+    return pb.CompletionResponse(id=body["id"], model=body["model"], text=choice.get("text") or "", finish_reason=choice.get("finish_reason") or "",
+                                 usage=_usage(body.get("usage")), replica=replica or "", session_id=session_id or "")
+
+
+def completion_chunk_message(chunk: dict[str, Any], replica: str | None = None) -> pb.CompletionChunk:
+    """A streamed text_completion chunk as a CompletionChunk (`replica`: set on the first)."""
+    out = pb.CompletionChunk(id=chunk["id"], model=chunk["model"], usage=_usage(chunk.get("usage")), replica=replica or "")
+    for choice in chunk["choices"][:1]:
+        out.text = choice.get("text") or ""
+        out.finish_reason = choice.get("finish_reason") or ""
+    return out
+
+
+def models_message(models: dict[str, Any]) -> pb.ListModelsResponse:
+    return pb.ListModelsResponse(models=[pb.Model(id=m["id"], owned_by=m.get("owned_by", ""), max_model_len=m.get("max_model_len", 0))
+                                         for m in models["data"]])
+
+
 def error_message(e: APIError) -> pb.Error:
     return pb.Error(message=e.message, type=e.type, param=e.param or "", code=e.code or "")
 
@@ -116,6 +161,26 @@ def chat_request(body: dict[str, Any]) -> pb.ChatRequest:
         req.tools_json = json.dumps(body["tools"])
     if body.get("tool_choice") is not None:
         req.tool_choice_json = json.dumps(body["tool_choice"])
+    req.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    return req
+
+
+def completion_request(body: dict[str, Any]) -> pb.CompletionRequest:
+    """The CompletionRequest for an HTTP completions body (text, token ids, or a one-text list)."""
+    req = pb.CompletionRequest()
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0] if len(prompt) == 1 else prompt
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif isinstance(prompt, list):
+        req.token_ids.CopyFrom(pb.TokenIds(ids=prompt))
+    for f in _COMPLETION_OPTIONAL:
+        if body.get(f) is not None:
+            setattr(req, f, body[f])
+    stop = body.get("stop")
+    req.stop.extend([stop] if isinstance(stop, str) else stop or [])
+    req.ignore_eos = bool(body.get("ignore_eos"))
     req.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     return req
 

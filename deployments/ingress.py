@@ -94,6 +94,16 @@ class Ingress:
         async for chunk in self._grpc.chat_completion_stream(request, grpc_context):
             yield chunk
 
+    async def Completion(self, request: Any, grpc_context: Any) -> Any:
+        return await self._grpc.completion(request, grpc_context)
+
+    async def CompletionStream(self, request: Any, grpc_context: Any) -> AsyncIterator[Any]:
+        async for chunk in self._grpc.completion_stream(request, grpc_context):
+            yield chunk
+
+    async def ListModels(self, request: Any, grpc_context: Any) -> Any:
+        return await self._grpc.list_models(request, grpc_context)
+
     async def Realtime(self, request_stream: Any, grpc_context: Any) -> AsyncIterator[Any]:
         async for f in self._grpc.realtime(request_stream, grpc_context):
             yield f

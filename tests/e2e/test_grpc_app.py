@@ -3,6 +3,7 @@ CPU), API keys on, one ingress replica with room for one chat request at a time.
 
 * a keyed client streams a chat over ChatCompletionStream: the same greedy text as HTTP gives
   for the same prompt, with usage, and unary ChatCompletion agrees;
+* ListModels names HTTP's models; a token-id Completion (unary and streamed) is HTTP's text;
 * a short Realtime session (session.start, two inputs, session.end) ends OK;
 * a bad key is UNAUTHENTICATED; a second chat while one holds the only slot is
   RESOURCE_EXHAUSTED with retry-after (trailing metadata) and a google.rpc.RetryInfo.
@@ -23,7 +24,7 @@ import pytest
 
 from deployments.grpc_gen import baton_pb2 as pb
 from deployments.grpc_gen import baton_pb2_grpc
-from deployments.grpc_mapping import chat_request
+from deployments.grpc_mapping import chat_request, completion_request
 from deployments.grpc_status import retry_info_seconds
 from tests.e2e.conftest import e2e_args, free_port, keyed_app
 
@@ -75,6 +76,27 @@ def test_a_streamed_chat_is_the_http_reply(app: tuple[str, str]) -> None:
 
     r = run(unary())
     assert r.content == text and r.session_id == "grpc-e2e-1" and r.finish_reason in ("stop", "length")
+
+
+def test_models_and_a_token_id_completion_are_the_http_ones(app: tuple[str, str]) -> None:
+    url, target = app
+    headers = {"authorization": f"Bearer {KEY}"}
+    body = {"prompt": [504, 3458, 314, 1345], "temperature": 0, "max_tokens": 8}
+    http = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=TIMEOUT_S).json()
+    models = httpx.get(f"{url}/v1/models", headers=headers, timeout=TIMEOUT_S).json()
+
+    async def calls() -> tuple[pb.ListModelsResponse, pb.CompletionResponse, list[pb.CompletionChunk]]:
+        async with grpc.aio.insecure_channel(target) as ch:
+            stub = baton_pb2_grpc.BatonStub(ch)
+            listed = await stub.ListModels(pb.ListModelsRequest(), metadata=auth(), timeout=TIMEOUT_S)
+            one = await stub.Completion(completion_request(body), metadata=auth(), timeout=TIMEOUT_S)
+            chunks = [c async for c in stub.CompletionStream(completion_request(body), metadata=auth(), timeout=TIMEOUT_S)]
+            return listed, one, chunks
+
+    listed, one, chunks = run(calls())
+    assert [m.id for m in listed.models] == [m["id"] for m in models["data"]]
+    assert one.text and one.text == http["choices"][0]["text"] == "".join(c.text for c in chunks)
+    assert one.usage.prompt_tokens == 4 and one.replica and chunks[0].replica
 
 
 def test_a_short_realtime_session(app: tuple[str, str]) -> None:

@@ -27,6 +27,16 @@ class _Servicer(baton_pb2_grpc.BatonServicer):
         async for c in self._f.chat_completion_stream(request, context):
             yield c
 
+    async def Completion(self, request: Any, context: Any) -> Any:
+        return await self._f.completion(request, context)
+
+    async def CompletionStream(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        async for c in self._f.completion_stream(request, context):
+            yield c
+
+    async def ListModels(self, request: Any, context: Any) -> Any:
+        return await self._f.list_models(request, context)
+
     async def Realtime(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
         async for f in self._f.realtime(request_iterator, context):
             yield f

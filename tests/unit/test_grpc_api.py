@@ -22,13 +22,13 @@ from deployments.errors import APIError, bad_request, conversation_not_found, ov
 from deployments.frontend import OpenAIFrontend
 from deployments.grpc_api import GrpcFrontend
 from deployments.grpc_gen import baton_pb2 as pb
-from deployments.grpc_mapping import chat_body, chat_request, chunk_event, chunk_message, response_message
+from deployments.grpc_mapping import chat_body, chat_request, chunk_event, chunk_message, completion_body, completion_request, response_message
 from deployments.grpc_status import _BY_STATUS, caller_of, error_status, retry_info_seconds, status_code
 from deployments.inflight import InflightLimit
 from deployments.input_limits import InputLimits
 from deployments.metrics import RecordingMetrics
 from deployments.openai_api import build_openai_app
-from deployments.protocol import ChatCompletionRequest
+from deployments.protocol import ChatCompletionRequest, CompletionRequest
 from deployments.request_body import too_large, validate_body
 from tests.unit.fakes import FakeBackend, FakeTokenizer
 from tests.unit.grpc_fixtures import stub_for
@@ -319,3 +319,61 @@ def test_messages_cross_ray_by_reference_to_an_importable_module() -> None:
         assert getattr(pb, name).__module__ == "deployments.grpc_gen.baton_pb2"
     frame = pb.RealtimeFrame(json='{"type": "input"}')
     assert cloudpickle.loads(cloudpickle.dumps(frame)) == frame
+
+
+# ---- completions and models -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", ["once upon a time", [5, 6, 7], ["once upon a time"]])
+def test_a_completion_body_survives_the_proto(prompt: Any) -> None:
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0.0, "seed": 9, "stop": ["."], "user": "ana", "session_id": "c1",
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    back = completion_body(completion_request(body), stream=True)
+    expected = {**body, "stream": True, "prompt": prompt[0] if prompt == ["once upon a time"] else prompt}
+    assert back == expected
+    assert validate_body(back, CompletionRequest).prompt == expected["prompt"]
+
+
+def test_a_completion_without_a_prompt_is_invalid_argument() -> None:
+    g, _, backend, _ = make()
+
+    async def go() -> Any:
+        async with stub_for(g) as stub:
+            return await stub.Completion(pb.CompletionRequest(max_tokens=3))
+
+    e = rpc_error(go())
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and json.loads(trailing(e)["baton-error"])["param"] == "prompt"
+    assert not backend.requests
+
+
+def test_completions_unary_and_streamed_are_the_http_reply() -> None:
+    g, chat, backend, metrics = make()
+    request = completion_request({"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "stream_options": {"include_usage": True}})
+
+    async def go() -> tuple[Any, list[pb.CompletionChunk]]:
+        async with stub_for(g) as stub:
+            one = await stub.Completion(request, metadata=md(x_session_id="c1"))
+            return one, [c async for c in stub.CompletionStream(request, metadata=md(x_session_id="c1"))]
+
+    one, chunks = run(go())
+    assert (one.text, one.finish_reason, one.replica, one.session_id) == (" Hello world!", "stop", "replica-a", "c1")
+    assert backend.last.prompt_token_ids == (5, 6, 7) and backend.last.session_id == "c1"
+    assert "".join(c.text for c in chunks) == one.text and chunks[0].replica == "replica-a" and not any(c.replica for c in chunks[1:])
+    assert chunks[-1].HasField("usage") and chunks[-1].usage.completion_tokens == one.usage.completion_tokens == 3
+    http = TestClient(build_openai_app(chat.frontend, _health, chat=chat)).post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3,
+                                                                                                     "temperature": 0}).json()
+    assert http["choices"][0]["text"] == one.text
+    assert metrics.requests[("completions", 200)] == 3
+
+
+def test_list_models_needs_a_key_and_names_the_model() -> None:
+    g, _, _, _ = make(keys=KEYS)
+
+    async def go(metadata: list[tuple[str, str]]) -> Any:
+        async with stub_for(g) as stub:
+            return await stub.ListModels(pb.ListModelsRequest(), metadata=metadata)
+
+    e = rpc_error(go(md("nope")))
+    assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+    models = run(go(md("anakey"))).models
+    assert [(m.id, m.owned_by, m.max_model_len) for m in models] == [("m", "baton", 64)]
