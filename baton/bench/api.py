@@ -21,7 +21,8 @@ cluster_configs/local_grpc.yaml (local.yaml + gRPC + API keys), as users take th
 RESULT: tool_call_roundtrip=ok|fail grpc_ttft_ratio_vs_http=<x> grpc_tokens_per_s_ratio=<x>
 grpc_realtime=ok|fail errors=<n> bfcl_native_errors=<n> bfcl_native_parseable_share=<x>
 (errors: failed turns over all ABBA replays; a failed turn is never dropped from the figures:
-its protocol's error count is printed).
+its protocol's error count is printed). The ratios pool every round's turns; each round's own
+ratios are printed and kept in the JSON (`rounds`) as their spread (full mode: 3 rounds).
 """
 from __future__ import annotations
 
@@ -158,6 +159,22 @@ def bfcl_native(url: str, key: str, ids: tuple[str, ...]) -> dict[str, Any]:
             "failures": [t.error for t in result.turns if t.error is not None][:5]}
 
 
+def per_round(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The gRPC/HTTP ratios of each ABBA round on its own (its two replays per protocol): the
+    spread of the headline ratios over the run's rounds."""
+    out = []
+    for r in range(len(rows) // len(ORDER)):
+        proto = per_protocol(rows[r * len(ORDER):(r + 1) * len(ORDER)])
+        h, g = proto["http"], proto["grpc"]
+        out.append({"round": r, "ttft_ratio": _ratio(g["ttft_p50_s"], h["ttft_p50_s"]),
+                    "tokens_per_s_ratio": _ratio(g["output_tokens_per_s"], h["output_tokens_per_s"])})
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float:
+    return a / b if a and b else float("nan")
+
+
 def per_protocol(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """TTFT p50 over every successful turn of a protocol's replays; tokens/s = its completion
     tokens over its replays' wall time; errors summed (never dropped)."""
@@ -216,15 +233,19 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         print(f"[api] BFCL native: {bfcl}", flush=True)
     proto = per_protocol(rows)
     h, g = proto["http"], proto["grpc"]
-    ttft_ratio = g["ttft_p50_s"] / h["ttft_p50_s"] if g["ttft_p50_s"] and h["ttft_p50_s"] else float("nan")
-    tps_ratio = g["output_tokens_per_s"] / h["output_tokens_per_s"] if g["output_tokens_per_s"] and h["output_tokens_per_s"] else float("nan")
+    ttft_ratio = _ratio(g["ttft_p50_s"], h["ttft_p50_s"])
+    tps_ratio = _ratio(g["output_tokens_per_s"], h["output_tokens_per_s"])
+    rounds_ = per_round(rows)
     tools_ok = all(v for k, v in tools.items() if k != "call")
     errors = h["errors"] + g["errors"]
     report = {"quick": quick, "order": list(ORDER * rounds), "tool_roundtrip": tools, "replays": rows, "per_protocol": proto,
-              "grpc_ttft_ratio_vs_http": ttft_ratio, "grpc_tokens_per_s_ratio": tps_ratio, "realtime": realtime, "bfcl_native": bfcl}
+              "grpc_ttft_ratio_vs_http": ttft_ratio, "grpc_tokens_per_s_ratio": tps_ratio, "rounds": rounds_, "realtime": realtime,
+              "bfcl_native": bfcl}
     (out_dir / "api.json").write_text(json.dumps(report, indent=2, default=str))
     _plot(rows, out_dir / "api.png")
     print(f"[api] HTTP: {h}; gRPC: {g}")
+    print("[api] per ABBA round, gRPC/HTTP: " + "; ".join(f"round {r['round']}: TTFT p50 {r['ttft_ratio']:.3f}, tokens/s "
+                                                         f"{r['tokens_per_s_ratio']:.3f}" for r in rounds_))
     print(f"RESULT tool_call_roundtrip={'ok' if tools_ok else 'fail'} grpc_ttft_ratio_vs_http={ttft_ratio:.3f} "
           f"grpc_tokens_per_s_ratio={tps_ratio:.3f} grpc_realtime={'ok' if realtime['ok'] else 'fail'} errors={errors} "
           f"bfcl_native_errors={bfcl['errors']} bfcl_native_parseable_share={_fmt(bfcl['parseable_share'])}")

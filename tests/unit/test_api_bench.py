@@ -30,3 +30,13 @@ def test_per_protocol_pools_each_protocols_replays() -> None:
     assert got["grpc"]["ttft_p50_s"] == 3.0 and got["grpc"]["errors"] == 1 and got["grpc"]["turns"] == 3
     assert got["grpc"]["output_tokens_per_s"] == pytest.approx(150 / 15.0)
     assert api.per_protocol([row(0, "http", [])])["http"]["ttft_p50_s"] is None
+
+
+def test_each_abba_round_has_its_own_ratios() -> None:
+    rows = [row(0, "http", [1.0]), row(1, "grpc", [2.0]), row(2, "grpc", [2.0]), row(3, "http", [1.0]),
+            row(4, "http", [2.0]), row(5, "grpc", [1.0], tokens=200), row(6, "grpc", [1.0], tokens=200), row(7, "http", [2.0])]
+    rounds = api.per_round(rows)
+    assert [r["round"] for r in rounds] == [0, 1]
+    assert rounds[0]["ttft_ratio"] == 2.0 and rounds[1]["ttft_ratio"] == 0.5
+    assert rounds[0]["tokens_per_s_ratio"] == 1.0 and rounds[1]["tokens_per_s_ratio"] == 2.0
+    assert api.per_round(rows[:3]) == []  # an unfinished round has no ratio
