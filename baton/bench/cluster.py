@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import yaml
 
+from baton.bench.ray_session import stop_ray_session
 from baton.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -60,6 +61,7 @@ class LocalServeApp:
         # absolute: `serve run` runs in the checkout, not in the caller's working directory
         self._log_dir = (log_dir or Path(tempfile.mkdtemp(prefix="baton-serve-"))).resolve()
         self._serve: subprocess.Popen | None = None
+        self._ray_temp: str | None = None  # this head's --temp-dir (set by _launch)
         self._launched_at = 0.0  # when `serve run` was launched (monotonic)
         self._metrics_port = metrics_export_port
         self._env = {**os.environ, **(env or {}), "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": f"127.0.0.1:{ray_port}",
@@ -89,13 +91,19 @@ class LocalServeApp:
         }
         cfg_path = self._log_dir / "serve_config.yaml"
         cfg_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        subprocess.run(["ray", "stop", "--force"], env=self._env, capture_output=True, check=False)
-        subprocess.run(
+        # a temp dir of its own: this head's processes are told apart from any other Ray on the
+        # machine (an e2e run, another bench), so stopping it never stops theirs (ray_session.py)
+        self._ray_temp = tempfile.mkdtemp(prefix="bray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+        started = subprocess.run(
             ["ray", "start", "--head", f"--port={self._ray_port}", f"--num-cpus={self._num_cpus}", f"--resources={json.dumps(self._resources)}",
-             "--include-dashboard=false", "--disable-usage-stats"]
+             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self._ray_temp}"]
             + ([f"--metrics-export-port={self._metrics_port}"] if self._metrics_port else []),
-            env=self._env, capture_output=True, check=True,
+            env=self._env, capture_output=True, text=True, check=False,
         )
+        if started.returncode != 0:
+            stop_ray_session(self._ray_temp)
+            tail = (started.stderr or started.stdout or "").strip().splitlines()[-5:]
+            raise RuntimeError(f"`ray start` on port {self._ray_port} failed (another Ray on that port?): " + " | ".join(tail))
         log = (self._log_dir / "serve.log").open("w")
         self._launched_at = time.monotonic()
         self._serve = subprocess.Popen(["serve", "run", str(cfg_path)], env=self._env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -126,7 +134,8 @@ class LocalServeApp:
                 self._serve.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self._serve.kill()
-        subprocess.run(["ray", "stop", "--force"], env=self._env, capture_output=True, check=False)
+        if self._ray_temp is not None:
+            stop_ray_session(self._ray_temp)
 
 
 # polls the application's status from a separate driver (the dashboard is off, so no `serve status`)
