@@ -18,6 +18,14 @@ import httpx
 import pytest
 import yaml
 
+# grpcio (the gRPC tests' client, in this process) installs fork handlers by default; Ray then
+# forks its head processes (ray.init per module) from this process, and a fork while grpcio's
+# threads are busy skips them ("Other threads are currently calling into gRPC, skipping fork()
+# handlers"): run 5 of the 2026-12-01 fresh-clone series lost its raylet and its dashboard
+# (SIGABRT) that way, and the next module's ray.init timed out. Every child here execs at once,
+# so nothing needs grpcio's fork support; it is read when grpcio is first imported (after this).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 
