@@ -1,10 +1,17 @@
 """Per-family checkpoint plans kept up to date from observed match depths (pure; clock injected).
 
-One `CheckpointPolicy` per engine. A prefix family is named by the key of a prompt's first full
-block (prompts shorter than one block have no family and no checkpoints). For each family it owns
-a DepthHistogram and the CheckpointPlan in force; the engine-side seam (scheduler.py) and the
+One `CheckpointPolicy` per engine. A prefix family is named by its caller: the engine uses the key
+of a prompt's first full block (prompts shorter than one block have no family and no checkpoints),
+the benchmark also a conversation's key (system prompt + first user message). For each family it
+owns a DepthHistogram and the CheckpointPlan in force; the engine-side seam (scheduler.py) and the
 benchmark's simulator both drive this same class, so what the benchmark counts is what the engine
 enforces.
+
+Continuation (cfg.continuation): the histogram says which depths recur; a conversation's next turn
+instead matches a depth never seen before — the end of the turn just seen. So the distribution the
+plan is made for is the mixture (1 − ρ)·histogram + ρ·δ(tail), tail = the replay boundary of the
+family's latest request, ρ = the share of requests so far whose match reached their family's
+previous tail (counted over requests that had one; shrunk by one pseudo-request, so ρ < 1).
 
 Invariants (check_integrity): every family's plan passes CheckpointPlan.check_integrity, holds
 at most `budget` positions (block_dense: at most the family's block count), and never holds a
@@ -31,6 +38,7 @@ class FamilyState:
     histogram: DepthHistogram
     plan: CheckpointPlan
     length: int = 0  # deepest replay boundary seen in the family (tokens, block multiple)
+    tail: int = 0  # replay boundary of the family's latest request
 
 
 @dataclass
@@ -54,6 +62,11 @@ class CheckpointPolicy:
         self.block_size = block_size
         self.families: OrderedDict[Hashable, FamilyState] = OrderedDict()
         self.counters = PolicyCounters()
+        self.followed = 0  # requests whose family had a previous request
+        self.continued = 0  # ... whose match reached that request's replay boundary
+
+    def continuation_rate(self) -> float:
+        return self.continued / (self.followed + 1)
 
     def empty_plan(self) -> CheckpointPlan:
         return CheckpointPlan(self.cfg.strategy, (), self.cfg.budget, self.block_size, 0.0)
@@ -79,6 +92,10 @@ class CheckpointPolicy:
         replay = max(prompt_len - 1, 0) // self.block_size * self.block_size
         grew = replay > st.length
         st.length = max(st.length, replay)
+        if st.tail:
+            self.followed += 1
+            self.continued += depth >= st.tail
+        st.tail = replay
         if st.histogram.resolve_due() or (grew and self.cfg.strategy != "dp"):
             st.plan = self._solve(st)
             st.histogram.mark_resolved()
@@ -101,6 +118,10 @@ class CheckpointPolicy:
         depths, probs = st.histogram.distribution()
         mask = depths <= st.length
         depths, probs = depths[mask], probs[mask]
+        rho = self.continuation_rate() if self.cfg.continuation and st.tail else 0.0
+        if rho > 0:
+            depths = np.concatenate((depths, [st.tail]))
+            probs = np.concatenate((probs * (1 - rho), [rho]))
         return plan_for(self.cfg, st.length, self.block_size, depths, probs)
 
     def held_positions(self) -> int:
