@@ -65,6 +65,7 @@ class Arrival:
     hit: int  # deepest kept state ≤ match: where its prefill resumes
     conversation: Hashable | None  # its conversation family key (None: not known)
     now: float
+    reached_tail: int | None = None  # deepest earlier prompt's replay boundary on its matched chain
 
 
 class Retention(Protocol):
@@ -151,7 +152,7 @@ class Planned:
         return a.conversation if self.family == "conversation" and a.conversation is not None else a.keys[0]
 
     def keep(self, a: Arrival) -> tuple[int, ...]:
-        return self.policy.observe(self.family_of(a), a.match, a.prompt_len, a.now).positions
+        return self.policy.observe(self.family_of(a), a.match, a.prompt_len, a.now, a.reached_tail).positions
 
     def frozen_modes(self) -> int:
         return sum(len(st.histogram.frozen) for st in self.policy.families.values())

@@ -76,13 +76,14 @@ def simulate_keyed(cfg: CheckpointConfig, block_size: int, keyed: Sequence[tuple
     stored: set[Hashable] = set()
     out = []
     for i, (keys, L) in enumerate(keyed):
-        m = tracker.match_and_add(keys, L)
+        match = tracker.observe(keys, L)
+        m = match.depth
         hit = 0
         for k in range(m // block_size - 1, -1, -1):
             if keys[k] in stored:
                 hit = (k + 1) * block_size
                 break
-        plan = policy.observe(keys[0] if keys else None, m, L, times[i] if times is not None else float(i))
+        plan = policy.observe(keys[0] if keys else None, m, L, times[i] if times is not None else float(i), match.reached_tail)
         for p in plan.positions:
             if hit < p <= L:  # the prefill runs from the hit: only states past it are computed
                 stored.add(keys[p // block_size - 1])
@@ -165,13 +166,14 @@ def replay(rule: Retention, block_size: int, stream: Sequence[StreamRequest], sc
     out = ReplayResult(rule.name, score_from=score_from)
     for req in stream:
         keys = req.keys
-        m = tracker.match_and_add(keys, req.prompt_len)
+        match = tracker.observe(keys, req.prompt_len)
+        m = match.depth
         hit = 0
         for k in range(m // block_size - 1, -1, -1):
             if keys[k] in stored:
                 hit = (k + 1) * block_size
                 break
-        a = Arrival(keys, req.prompt_len, req.computed_len, m, hit, req.family, req.now)
+        a = Arrival(keys, req.prompt_len, req.computed_len, m, hit, req.family, req.now, match.reached_tail)
         for p in rule.keep(a):
             if p > 0 and p % block_size == 0 and hit < p <= min(req.computed_len, len(keys) * block_size):
                 stored.add(keys[p // block_size - 1])
