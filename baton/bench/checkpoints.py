@@ -27,7 +27,8 @@ from typing import Any
 
 from baton.bench.checkpoint_engine import TINY_HYBRID, run_engine
 from baton.bench.checkpoint_online import compare, print_table, state_bytes, summary
-from baton.bench.checkpoint_sim import block_keys, match_depths, simulate_keyed, steady_state
+from baton.bench.checkpoint_retention import VllmDefault
+from baton.bench.checkpoint_sim import StreamRequest, block_keys, match_depths, replay, simulate_keyed, steady_state
 from baton.bench.checkpoint_workloads import (
     Timed,
     bfcl_conversations,
@@ -94,34 +95,58 @@ def sweep(prompts: list[list[int]], budgets: list[int]) -> dict[str, Any]:
     }
 
 
+def _vllm_default_replay(keyed: list[tuple[list[bytes], int]], max_tokens: int) -> Any:
+    """The replay of vLLM's own default retention over the engine's prompts (outputs never reused)."""
+    return replay(VllmDefault(B), B, [StreamRequest(tuple(k), L, max_tokens) for k, L in keyed])
+
+
+def dp_budget_for_states(keyed: list[tuple[list[bytes], int]], states: int) -> int:
+    """The largest DP budget whose engine-checked replay holds no more states than `states` (≥ 1)."""
+    fit = [m for m in range(1, 33) if simulate_keyed(_cfg("dp", m), B, keyed).states_held <= states]
+    return max(fit, default=1)
+
+
 def engine_phase(prompts: list[list[int]], budget: int, strategies: list[str], max_tokens: int) -> dict[str, Any]:
-    """The real engine on a subset: TTFT, exactness vs no-cache, hits vs the online replay."""
+    """The real engine on a subset: TTFT, exactness vs no-cache, hits vs the replay — for Baton's
+    strategies at `budget`, for vLLM's own default retention, and for the DP at vLLM default's states."""
     keyed = [(block_keys(p, B), len(p)) for p in prompts]
     ref = run_engine("nocache", prompts, max_tokens=max_tokens, max_model_len=8192)
     out: dict[str, Any] = {"budget": budget, "requests": len(prompts), "runs": {}}
     ttft_ref = [r["ttft_s"] for r in ref["rows"]]
     out["runs"]["nocache"] = {"ttft_mean_s": statistics.fmean(ttft_ref), "ttft_p50_s": statistics.median(ttft_ref)}
-    exact, sim_ok = True, True
-    for s in strategies:
-        cfg = _cfg(s, budget)
-        t0 = time.monotonic()
-        res = run_engine("baton", prompts, ckpt=cfg.model_dump(), max_tokens=max_tokens, max_model_len=8192)
-        same = [r["tokens"] for r in res["rows"]] == [r["tokens"] for r in ref["rows"]]
-        sim = simulate_keyed(cfg, B, keyed)
+    ref_tokens = [r["tokens"] for r in ref["rows"]]
+
+    def record(label: str, res: dict[str, Any], sim_hits: list[int], t0: float) -> bool:
         hits = [r["cached"] for r in res["rows"]]
         ttft = [r["ttft_s"] for r in res["rows"]]
-        m = res["metrics"]
-        out["runs"][s] = {
+        m = res.get("metrics", {})
+        out["runs"][label] = {
             "ttft_mean_s": statistics.fmean(ttft), "ttft_p50_s": statistics.median(ttft),
-            "exact_tokens": same, "hits_match_simulator": hits == [r.hit for r in sim.requests],
-            "recomputed_tokens": m["recomputed_tokens"], "checkpoints_held": m["checkpoints_held"],
-            "state_bytes": m["state_bytes"], "wall_s": round(time.monotonic() - t0, 1),
+            "exact_tokens": [r["tokens"] for r in res["rows"]] == ref_tokens, "hits_match_simulator": hits == sim_hits,
+            "recomputed_tokens": m.get("recomputed_tokens"), "checkpoints_held": m.get("checkpoints_held"),
+            "state_bytes": m.get("state_bytes", 0), "wall_s": round(time.monotonic() - t0, 1),
         }
-        exact &= same
-        sim_ok &= hits == [r.hit for r in sim.requests]
-    held = [(r["state_bytes"], r["checkpoints_held"]) for r in out["runs"].values() if r.get("checkpoints_held")]
+        return hits == sim_hits
+
+    exact, sim_ok = True, True
+    vd_sim = _vllm_default_replay(keyed, max_tokens)
+    m_same = dp_budget_for_states(keyed, vd_sim.states_held)
+    runs = [(s, _cfg(s, budget)) for s in strategies] + [("dp_same_states_as_vllm", _cfg("dp", m_same))]
+    for label, cfg in runs:
+        t0 = time.monotonic()
+        res = run_engine("baton", prompts, ckpt=cfg.model_dump(), max_tokens=max_tokens, max_model_len=8192)
+        sim_ok &= record(label, res, [r.hit for r in simulate_keyed(cfg, B, keyed).requests], t0)
+        exact &= out["runs"][label]["exact_tokens"]
+    t0 = time.monotonic()
+    res = run_engine("vllm", prompts, max_tokens=max_tokens, max_model_len=8192)  # vLLM's own default retention
+    out["vllm_default_matches_replay"] = record("vllm_default", res, [r.hit for r in vd_sim.requests], t0)
+    out["runs"]["vllm_default"].update(recomputed_tokens=vd_sim.recomputed_tokens, checkpoints_held=vd_sim.states_held,
+                                       held_from="replay (vLLM reports no state count)")
+    out["dp_same_states"] = {"budget": m_same, "vllm_default_states": vd_sim.states_held}
+    held = [(r["state_bytes"], r["checkpoints_held"]) for r in out["runs"].values() if r.get("checkpoints_held") and r.get("state_bytes")]
     out["bytes_per_state"] = held[0][0] // held[0][1] if held else None
-    out["exact_outputs"] = exact
+    out["runs"]["vllm_default"]["state_bytes"] = vd_sim.states_held * (out["bytes_per_state"] or 0)
+    out["exact_outputs"] = exact and out["runs"]["vllm_default"]["exact_tokens"]
     out["engine_matches_simulator"] = sim_ok
     return out
 
@@ -208,9 +233,9 @@ def run(quick: bool, out_dir: Path, offline: bool = False) -> None:
         engine = engine_phase(subset, 4, strategies, max_tokens=4)
         engine["workload"] = eng_name
         print(f"\nengine ({eng_name}, {engine['requests']} requests, M={engine['budget']}, bytes/state={engine['bytes_per_state']}):")
-        print(f"{'strategy':<12} {'ttft_mean_ms':>13} {'ttft_p50_ms':>12} {'exact':>6} {'=sim':>5} {'recomp':>7} {'held':>5} {'state_MiB':>10}")
+        print(f"{'strategy':<24} {'ttft_mean_ms':>13} {'ttft_p50_ms':>12} {'exact':>6} {'=sim':>5} {'recomp':>7} {'held':>5} {'state_MiB':>10}")
         for s, r in engine["runs"].items():
-            print(f"{s:<12} {r['ttft_mean_s'] * 1e3:>13.1f} {r['ttft_p50_s'] * 1e3:>12.1f} {r.get('exact_tokens', '-')!s:>6} "
+            print(f"{s:<24} {r['ttft_mean_s'] * 1e3:>13.1f} {r['ttft_p50_s'] * 1e3:>12.1f} {r.get('exact_tokens', '-')!s:>6} "
                   f"{r.get('hits_match_simulator', '-')!s:>5} {r.get('recomputed_tokens', '-'):>7} {r.get('checkpoints_held', '-'):>5} "
                   f"{r.get('state_bytes', 0) / 2**20:>10.1f}")
     doc["engine"] = engine
@@ -222,7 +247,8 @@ def run(quick: bool, out_dir: Path, offline: bool = False) -> None:
     sr, rr = summ["states_ratio_vs_vllm_default_same_saving"], summ["recompute_ratio_vs_vllm_default_same_states"]
     print(f"online, held-out requests: dp_dominates_online={str(summ['dp_dominates_online']).lower()} (all of "
           f"{', '.join(doc['online'])}); states ratio worst on {summ['states_ratio_workload']}, recompute ratio worst on "
-          f"{summ['recompute_ratio_workload']}" + ("" if engine is None else f"; engine_matches_simulator={str(engine['engine_matches_simulator']).lower()}"))
+          f"{summ['recompute_ratio_workload']}" + ("" if engine is None else f"; engine_matches_simulator={str(engine['engine_matches_simulator']).lower()} "
+                  f"vllm_default_matches_replay={str(engine['vllm_default_matches_replay']).lower()}"))
     exact = "not_run" if engine is None else str(engine["exact_outputs"]).lower()
     print(f"RESULT dp_dominates_online={str(summ['dp_dominates_online']).lower()} exact_outputs={exact} "
           f"states_ratio_vs_vllm_default_same_saving={'unreached' if sr is None else f'{sr:.3f}'} "

@@ -156,3 +156,32 @@ def test_timed_stream_keys_cover_prompt_and_output_but_the_last_token() -> None:
     t = Timed(prompt=tuple(range(10)), output=(50, 51, 52), family=b"f", now=0.0, conversation="c")
     (r,) = to_stream([t], B)
     assert r.computed_len == 12 and len(r.keys) == 3
+
+
+def test_engine_phase_plumbing_with_a_stand_in_engine(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The bench's engine phase on a fake engine that answers the replays' hits: every run recorded,
+    vLLM's own default compared with its replay, the DP run at vLLM default's state count."""
+    from baton.bench import checkpoints as bench
+
+    rng = random.Random(5)
+    head = [rng.randrange(1000) for _ in range(3 * bench.B)]
+    prompts = [[*head[: rng.randrange(1, 4) * bench.B], *(rng.randrange(1000) for _ in range(rng.randrange(5, 200)))] for _ in range(12)]
+    keyed = [(block_keys(p, bench.B), len(p)) for p in prompts]
+
+    def fake_engine(mode: str, ps: list[list[int]], *, ckpt=None, max_tokens: int = 8, max_model_len: int = 4096):  # type: ignore[no-untyped-def]
+        if mode == "baton":
+            sim = simulate_keyed(CheckpointConfig.model_validate(ckpt), bench.B, keyed)
+            hits, metrics = [r.hit for r in sim.requests], {"recomputed_tokens": sim.recomputed_tokens, "checkpoints_held": sim.states_held,
+                                                           "state_bytes": sim.states_held * 512 * 1024}
+        else:
+            hits = [r.hit for r in bench._vllm_default_replay(keyed, max_tokens).requests] if mode == "vllm" else [0] * len(ps)
+            metrics = None
+        rows = [{"tokens": [1, 2], "cached": h, "ttft_s": 0.01} for h in hits]
+        return {"rows": rows, **({"metrics": metrics} if metrics else {})}
+
+    monkeypatch.setattr(bench, "run_engine", fake_engine)
+    out = bench.engine_phase(prompts, 2, ["none", "dp"], max_tokens=4)
+    assert out["exact_outputs"] and out["engine_matches_simulator"] and out["vllm_default_matches_replay"]
+    assert {"nocache", "none", "dp", "dp_same_states_as_vllm", "vllm_default"} <= set(out["runs"])
+    vd_states = out["dp_same_states"]["vllm_default_states"]
+    assert out["runs"]["dp_same_states_as_vllm"]["checkpoints_held"] <= vd_states or out["dp_same_states"]["budget"] == 1
