@@ -18,8 +18,9 @@ vllm_default   vLLM 0.32's default hybrid prefix cache (`mamba_cache_mode="align
                `HybridKVCacheCoordinator.find_longest_cache_hit` + kv_cache_manager.py
                `get_computed_blocks` (junction = the attention hit when it is longer than the Mamba
                hit: `shared_prefix_boundary = hit + num_uncached`). `Scheduler._mamba_block_aligned_split`
-               (v1/core/sched/scheduler.py) ends a prefill chunk at both (`last_cache_position`,
-               `junction_stop`), so both states exist. Per request: the state at ⌊(L−1)/B⌋·B, and the
+               (v1/core/sched/scheduler.py) ends a prefill chunk at both (`last_cache_position` =
+               v1/kv_cache_interface.py `get_mamba_prefill_checkpoint_position`, and `junction_stop`),
+               so both states exist. Per request: the state at ⌊(L−1)/B⌋·B, and the
                state at the match depth m when m > hit. `enable_mamba_shared_prefix_checkpoint` (off
                by default) only moves the junction for EAGLE groups, so it plays no part here.
 vllm_interval  the same with `prefix_cache_retention_interval=N`: `reachable_block_mask` also keeps
@@ -99,6 +100,10 @@ class VllmInterval:
     interval: int
     chunk: int = VLLM_H100_CHUNK
     name: str = "vllm_interval"
+
+    def __post_init__(self) -> None:
+        if self.interval <= 0 or self.interval % self.block_size:  # as vLLM validates it
+            raise ValueError(f"interval {self.interval} must be a positive multiple of the block size {self.block_size}")
 
     def chunk_ends(self, a: Arrival) -> list[int]:
         """Where the prefill's chunks end, from the hit to the prompt's end (vLLM's split)."""
