@@ -185,3 +185,32 @@ def test_engine_phase_plumbing_with_a_stand_in_engine(monkeypatch) -> None:  # t
     assert {"nocache", "none", "dp", "dp_same_states_as_vllm", "vllm_default"} <= set(out["runs"])
     vd_states = out["dp_same_states"]["vllm_default_states"]
     assert out["runs"]["dp_same_states_as_vllm"]["checkpoints_held"] <= vd_states or out["dp_same_states"]["budget"] == 1
+
+
+class CharTokenizer:
+    """A stand-in tokenizer: ChatML template, one id per character."""
+
+    def apply_chat_template(self, msgs, tokenize=False, add_generation_prompt=False):  # type: ignore[no-untyped-def]
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False):  # type: ignore[no-untyped-def]
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_conversation_stream_appends_each_turn_to_the_previous_prompt_and_reply() -> None:
+    from baton.bench.checkpoint_workloads import conversation_stream
+    from baton.traces.format import Conversation, Turn
+
+    convs = [Conversation(conversation_id=f"c{j}", system="tools", turns=[Turn(role="user", content=f"q{j}"), Turn(role="tool", content="r"),
+                                                                           Turn(role="user", content="again", think_time_s=1.0)])
+             for j in range(2)]
+    stream = conversation_stream(CharTokenizer(), convs, reply_tokens=5, gap_s=0.5, service_s=1.0)
+    assert len(stream) == 6 and [r.now for r in stream] == sorted(r.now for r in stream)
+    last: dict[str, Timed] = {}
+    for r in stream:
+        if r.conversation in last:
+            prev = last[r.conversation]
+            assert r.prompt[: len(prev.prompt) + len(prev.output)] == prev.prompt + prev.output and r.family == prev.family
+        last[r.conversation] = r
+    assert last["c0"].family != last["c1"].family  # same system prompt, different first user message
