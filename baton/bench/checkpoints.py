@@ -181,10 +181,13 @@ def plot(online: dict[str, Any], path: Path, pool_bytes: int) -> None:
     plt.close(fig)
 
 
-def online_workloads(quick: bool) -> dict[str, list[Timed]]:
+def locomo_prompts(quick: bool) -> list[list[int]] | None:
+    return long_documents(TINY_HYBRID, LOCOMO, 30 if quick else 200, 6 if quick else None)
+
+
+def online_workloads(quick: bool, docs: list[list[int]] | None) -> dict[str, list[Timed]]:
     """(a) BFCL as multi-turn conversations, (b) LoCoMo document questions, (c) a mixed agentic trace."""
     out: dict[str, list[Timed]] = {"bfcl_multiturn": bfcl_conversations(TINY_HYBRID, 40 if quick else 200, gap_s=30.0)}
-    docs = long_documents(TINY_HYBRID, LOCOMO, 30 if quick else 200, 6 if quick else None)
     if docs is None:
         print(f"locomo_documents, mixed_agentic: skipped (no LoCoMo data under {LOCOMO})")
         return out
@@ -194,15 +197,14 @@ def online_workloads(quick: bool) -> dict[str, list[Timed]]:
     return out
 
 
-def offline_part(quick: bool) -> dict[str, Any]:
+def offline_part(quick: bool, docs: list[list[int]] | None) -> dict[str, Any]:
     """Everything that needs no engine: the online comparison (RESULT) and the in-sample sweep."""
     t0 = time.monotonic()
     budgets = [1, 2, 3, 4, 6, 8, 12, 16, 32] if quick else [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
     intervals = [2 * B, 8 * B, 32 * B] if quick else [2 * B, 4 * B, 8 * B, 16 * B, 32 * B]
-    online = {name: compare(timed, B, budgets, intervals) for name, timed in online_workloads(quick).items()}
+    online = {name: compare(timed, B, budgets, intervals) for name, timed in online_workloads(quick, docs).items()}
     print(f"online comparison done in {time.monotonic() - t0:.1f} s")
     in_sample: dict[str, Any] = {"shared_prompts": sweep(shared_prompts(TINY_HYBRID, 40 if quick else 200), budgets)}
-    docs = long_documents(TINY_HYBRID, LOCOMO, 30 if quick else 200, 6 if quick else None)
     if docs is not None:
         in_sample["long_documents"] = sweep(docs, budgets)
     return {"budgets": budgets, "intervals": intervals, "online": online, "online_summary": summary(online),
@@ -212,7 +214,8 @@ def offline_part(quick: bool) -> dict[str, Any]:
 def run(quick: bool, out_dir: Path, offline: bool = False) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    doc = {"quick": quick, "offline": offline, "block_size": B, **offline_part(quick)}
+    docs = locomo_prompts(quick)
+    doc = {"quick": quick, "offline": offline, "block_size": B, **offline_part(quick, docs)}
     pool_bytes = doc["state_bytes"]["pool_bytes"]
     print(f"one state: {doc['state_bytes']['raw_bytes']} B of conv state ({doc['state_bytes']['formula']})")
     for name, res in doc["online"].items():
@@ -225,7 +228,6 @@ def run(quick: bool, out_dir: Path, offline: bool = False) -> None:
 
     engine: dict[str, Any] | None = None
     if not offline:
-        docs = long_documents(TINY_HYBRID, LOCOMO, 30 if quick else 200, 6 if quick else None)
         eng_name = "long_documents" if docs is not None else "shared_prompts"
         prompts = docs if docs is not None else shared_prompts(TINY_HYBRID, 40 if quick else 200)
         subset = [p for p in prompts if len(p) <= 8000][: 16 if quick else 48]
