@@ -65,12 +65,16 @@ class SimResult:
         return sum(r.match for r in self.requests)
 
 
-def simulate(cfg: CheckpointConfig, block_size: int, prompts: Sequence[Sequence[int]], times: Sequence[float] | None = None) -> SimResult:
-    return simulate_keyed(cfg, block_size, [(block_keys(t, block_size), len(t)) for t in prompts], times)
+def simulate(cfg: CheckpointConfig, block_size: int, prompts: Sequence[Sequence[int]], times: Sequence[float] | None = None,
+             output_len: int = 0) -> SimResult:
+    return simulate_keyed(cfg, block_size, [(block_keys(t, block_size), len(t)) for t in prompts], times, output_len)
 
 
-def simulate_keyed(cfg: CheckpointConfig, block_size: int, keyed: Sequence[tuple[list[bytes], int]], times: Sequence[float] | None = None) -> SimResult:
-    """simulate() on prompts given as (block keys, prompt length)."""
+def simulate_keyed(cfg: CheckpointConfig, block_size: int, keyed: Sequence[tuple[list[bytes], int]], times: Sequence[float] | None = None,
+                   output_len: int = 0) -> SimResult:
+    """simulate() on prompts given as (block keys, prompt length). With `output_len` (tokens each
+    request generates), a planned position the decode reaches (L < p ≤ L + output_len − 1) is held
+    too — the engine keeps it — under a key of its own: no later prompt contains those outputs."""
     policy = CheckpointPolicy(cfg, block_size)
     tracker = PrefixDepthTracker(block_size, capacity=1 << 30)
     stored: set[Hashable] = set()
@@ -87,6 +91,8 @@ def simulate_keyed(cfg: CheckpointConfig, block_size: int, keyed: Sequence[tuple
         for p in plan.positions:
             if hit < p <= L:  # the prefill runs from the hit: only states past it are computed
                 stored.add(keys[p // block_size - 1])
+            elif max(hit, L) < p <= L + output_len - 1:
+                stored.add(("decode", i, p))
         out.append(SimRequest(m, hit, L))
     policy.check_integrity()
     return SimResult(cfg.strategy, cfg.budget, tuple(out), len(stored), policy.held_positions())

@@ -135,7 +135,7 @@ def engine_phase(prompts: list[list[int]], budget: int, strategies: list[str], m
     for label, cfg in runs:
         t0 = time.monotonic()
         res = run_engine("baton", prompts, ckpt=cfg.model_dump(), max_tokens=max_tokens, max_model_len=8192)
-        sim_ok &= record(label, res, [r.hit for r in simulate_keyed(cfg, B, keyed).requests], t0)
+        sim_ok &= record(label, res, [r.hit for r in simulate_keyed(cfg, B, keyed, output_len=max_tokens).requests], t0)
         exact &= out["runs"][label]["exact_tokens"]
     t0 = time.monotonic()
     res = run_engine("vllm", prompts, max_tokens=max_tokens, max_model_len=8192)  # vLLM's own default retention

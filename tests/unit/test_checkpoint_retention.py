@@ -214,3 +214,13 @@ def test_conversation_stream_appends_each_turn_to_the_previous_prompt_and_reply(
             assert r.prompt[: len(prev.prompt) + len(prev.output)] == prev.prompt + prev.output and r.family == prev.family
         last[r.conversation] = r
     assert last["c0"].family != last["c1"].family  # same system prompt, different first user message
+
+
+def test_simulator_holds_plan_positions_the_decode_reaches() -> None:
+    from baton.bench.checkpoint_sim import simulate
+
+    long_, short = list(range(17)), list(range(7))  # one family (block 0); block-dense plans 4, 8, 12, 16
+    cfg = CheckpointConfig(strategy="block_dense")
+    assert simulate(cfg, B, [long_, short]).states_held == 4
+    # the short prompt's decode (7 + 2 tokens computed) passes 8, a planned position: the engine keeps it
+    assert simulate(cfg, B, [long_, short], output_len=3).states_held == 5
