@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from router.cliff import CliffForecast, DecoderTokens, forecast_cliff
 from router.ownership import Claim, KnownOwners, OwnershipStore
 from router.policy import DISAGGREGATED, NoReplicaAvailable, Policy, TurnPlan, plan_turn
 from router.report import ReplicaReport
@@ -162,6 +163,15 @@ class DirectoryState:
             )
         return loads
 
+    def cliff_forecast(self, replica_id: str) -> CliffForecast | None:
+        """The KV cliff forecast of a decoder from its latest report, made when it arrived."""
+        r = self._replicas.get(replica_id)
+        if r is None or r.report.pool != "decode":
+            return None
+        rep = r.report
+        return forecast_cliff(DecoderTokens(rep.kv_capacity_tokens, rep.retained_tokens, rep.offered_growth_tokens_per_s,
+                                            rep.served_growth_tokens_per_s), r.at)
+
     def pinned_counts(self) -> Counter[str]:
         return Counter(p.decoder for p in self._pins.values())
 
@@ -206,8 +216,9 @@ class DirectoryState:
             self._record(session_id, user, plan, now, prompt_tokens)
             plan = replace(plan, turn_index=self._pins[session_id].turns - 1)
         decoders = self.live("decode", now)
+        cliff = self.cliff_forecast(plan.decode_replica)
         return replace(plan, pool_queueing=bool(decoders) and all(r.num_waiting > 0 for r in decoders),
-                       pool_in_flight=self.pool_in_flight(now))
+                       pool_in_flight=self.pool_in_flight(now), cliff_eta_s=cliff.eta_at(now) if cliff else None)
 
     def pool_in_flight(self, now: float) -> int:
         """Requests the live decoders reported serving, plus the turns placed on them since their

@@ -6,6 +6,10 @@ The same figures, flattened (`figures()`), are what the replica returns to Serve
 `record_routing_stats` (read by router/serve_router.py) and what the directory's snapshot shows
 per replica (/baton/stats).
 
+The token figures (`retained_tokens`, `offered_growth_tokens_per_s`, `served_growth_tokens_per_s`)
+are what the cliff predictor (router/cliff.py) reads: the real-time sessions' retained history and
+how fast it grows (baton/engine/realtime/growth.py).
+
 `conversations` is how a restarted directory gets its pins back: the conversations whose KV the
 replica holds (it served a turn of them lately), with how long each has been idle there."""
 from __future__ import annotations
@@ -17,7 +21,8 @@ POOLS = ("prefill", "decode")
 MAX_REPORTED_CONVERSATIONS = 4096  # the most recent conversations one report lists
 _NOT_FIGURES = frozenset({"replica_id", "pool", "extra", "conversations"})
 _COUNTS = ("kv_capacity_tokens", "num_running", "num_waiting", "pending_prefill_tokens", "in_flight",
-           "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfers_offered")
+           "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfers_offered", "retained_tokens")
+_RATES = ("offered_growth_tokens_per_s", "served_growth_tokens_per_s")
 
 
 @dataclass(frozen=True)
@@ -45,13 +50,16 @@ class ReplicaReport:
     kv_bytes_received: int = 0
     kv_transfer_failures: int = 0
     kv_transfers_offered: int = 0  # KV handoffs this replica produced for a decoder
+    retained_tokens: int = 0  # KV tokens its real-time sessions keep in the pool between ticks
+    offered_growth_tokens_per_s: float = 0.0  # how fast those sessions append tokens (their tick periods)
+    served_growth_tokens_per_s: float = 0.0  # how fast the engine really got through their ticks
     extra: tuple[tuple[str, float], ...] = ()
     conversations: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.pool not in POOLS:
             raise ValueError(f"unknown pool {self.pool!r} in the report of {self.replica_id}")
-        negative = [name for name in ("kv_usage", "kv_resident", *_COUNTS) if getattr(self, name) < 0]
+        negative = [name for name in ("kv_usage", "kv_resident", *_COUNTS, *_RATES) if not getattr(self, name) >= 0]
         if negative:
             raise ValueError(f"negative figures {negative} in the report of {self.replica_id}")
         names = [name for name, _ in self.extra]
