@@ -13,6 +13,10 @@ its onset is the deadline of the first tick of the first such run (the earliest 
 could see it). The client records every tick it sent, missing ones included, once that tick's
 deadline has passed; so a session's seqs are contiguous (`check_integrity`).
 
+The engine-wide **collapse onset** (`collapse_onset`, what the cliff predictor is scored against)
+reads the latency series of all sessions together: the deadline of the first of K consecutive
+late-or-missing ticks in scheduled-send order.
+
 The naive view is what a server-side counter reports: ticks it served without error, its error
 count, and deadline misses only where its own timing (`server_s`, receive -> last token) exceeded
 the tick budget (deadline_at - sent_at). Queueing before the replica, transport, ticks that never
