@@ -60,14 +60,8 @@ class CliffForecast:
 
     def seconds_to(self, fraction: float) -> float | None:
         """Seconds from `at` until R reaches fraction × C (0 when already there; None: never)."""
-        if not 0 < fraction <= 1:
-            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-        if self.capacity_tokens <= 0:
-            return None
-        room = fraction * self.capacity_tokens - self.retained_tokens
-        if room <= 0:
-            return 0.0
-        return room / self.growth_tokens_per_s if self.growth_tokens_per_s > 0 else None
+        return _seconds_to(fraction * self.capacity_tokens if self.capacity_tokens > 0 else None, self.retained_tokens,
+                           self.growth_tokens_per_s, fraction)
 
     def eta_at(self, now: float) -> float | None:
         """The forecast's seconds to saturation as seen at `now` (>= at), never below 0."""
@@ -77,9 +71,20 @@ class CliffForecast:
 def forecast_cliff(state: DecoderTokens, at: float) -> CliffForecast:
     growth = min(state.offered_tokens_per_s, state.served_tokens_per_s)
     capped = state.served_tokens_per_s < state.offered_tokens_per_s
-    fc = CliffForecast(at, state.capacity_tokens, state.retained_tokens, growth, capped, None)
-    eta = fc.seconds_to(1.0)
+    eta = _seconds_to(float(state.capacity_tokens) if state.capacity_tokens > 0 else None, state.retained_tokens, growth, 1.0)
     return CliffForecast(at, state.capacity_tokens, state.retained_tokens, growth, capped, eta)
+
+
+def _seconds_to(level: float | None, retained: int, growth: float, fraction: float) -> float | None:
+    """Seconds until `retained` grows to `level` tokens at `growth`/s (None: level unknown or no growth)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    if level is None:
+        return None
+    room = level - retained
+    if room <= 0:
+        return 0.0
+    return room / growth if growth > 0 else None
 
 
 class CliffAdmissionConfig(BaseModel):

@@ -302,9 +302,10 @@ class DirectoryState:
         pinned = self.pinned_counts()
         convs = [p for p in self._pins.values()]
         handoffs = sum(p.handoffs for p in convs)
+        etas = {rid: fc.eta_at(now) if (fc := self.cliff_forecast(rid)) is not None else None for rid in self._replicas}
         replicas = {
             rid: {**r.report.figures(), "pool": r.report.pool, "live": self._is_live(r, now), "pinned": pinned.get(rid, 0),
-                  "age_s": round(now - r.at, 3)}
+                  "age_s": round(now - r.at, 3), "cliff_eta_s": etas[rid]}
             for rid, r in self._replicas.items()
         }
         return {

@@ -78,6 +78,20 @@ def test_the_directory_forecasts_each_decoder_and_puts_the_eta_in_the_plan(make_
     plan = state.route("rt-1", None, 20, now=110.0, owned=False)
     assert plan.decode_replica == "d0" and plan.cliff_eta_s == pytest.approx(50.0)  # 10 s after the report
     assert state.cliff_forecast("nobody") is None
+    shown = state.snapshot(130.0)["replicas"]["d0"]
+    assert shown["cliff_eta_s"] == pytest.approx(30.0) and shown["retained_tokens"] == 4_000
+
+
+def test_the_replica_report_carries_its_sessions_token_growth() -> None:
+    from baton.engine.realtime.growth import TokenGrowth
+    from baton.engine.types import EngineStats
+    from deployments.replica_report import replica_report
+    from kv_transfer.ledger import TransferTotals
+
+    growth = TokenGrowth(sessions=3, growing_sessions=2, retained_tokens=900, offered_tokens_per_s=10.0, served_tokens_per_s=8.0)
+    r = replica_report("d0", "decode", EngineStats(kv_capacity_tokens=5_000), TransferTotals(), growth=growth)
+    assert (r.retained_tokens, r.offered_growth_tokens_per_s, r.served_growth_tokens_per_s) == (900, 10.0, 8.0)
+    assert replica_report("d0", "decode", EngineStats(), TransferTotals()).retained_tokens == 0
 
 
 def test_a_decoder_without_real_time_growth_has_no_cliff_in_its_plans(make_state: MakeState) -> None:
