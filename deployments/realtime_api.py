@@ -3,16 +3,16 @@
 Protocol (JSON text frames):
   client → {"type": "session.start", "instructions"?: str, "mode"?: "bounded"|"unbounded",
             "max_tokens"?: int, "tick_ms"?: int, "deadline_ms"?: int}
-  server → {"type": "session.started", "session_id", "mode", "sink_tokens", "window_tokens", "tick_ms", "deadline_ms"}
+  server → {"type": "session.started", "session_id", "mode", "sink_tokens", "window_tokens", "tick_ms", "deadline_ms", "warning"?}
   client → {"type": "input", "seq": int, "text": str, "sent_at"?: float}   (one per tick)
   server → {"type": "output", "seq", "text", "server_ms", "queued_ms"?, "prompt_tokens", "computed_tokens", "kv_tokens"}
+  client → {"type": "session.end"}                             → server closes with 1000
 `sent_at` is the client's send time (Unix seconds, its wall clock). With it the tick's latency —
 for the metrics, the lateness count and the AIMD controller — runs from the client's send, so it
 includes the time the frame queued before the server read it (`queued_ms`); without it, from the
 read. A value that is not a finite number, or lies more than `realtime.max_clock_skew_s` ahead of
 the server's clock or more than `realtime.idle_timeout_s` behind it, is an `invalid_value` error
 frame and close 1008 (the clocks disagree: its latencies would be fiction).
-  client → {"type": "session.end"}                             → server closes with 1000
 Errors are {"type": "error", "code", "message", "retry_after_s"?} frames; a frame that is not
 JSON text (or holds a lone UTF-16 surrogate) closes with 1007, a malformed one with 1008, one over
 `realtime.max_frame_bytes` with 1009, a refused session (AIMD cap reached) with
