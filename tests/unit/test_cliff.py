@@ -121,3 +121,15 @@ def test_cliff_config_forbids_unknown_fields_and_bad_values() -> None:
         CliffAdmissionConfig(horizon_s=0)
     with pytest.raises(ValidationError):
         CliffAdmissionConfig(action="block")  # type: ignore[arg-type]
+
+
+def test_the_realtime_yaml_takes_the_cliff_settings_by_name() -> None:
+    from deployments.config import RealtimeConfig
+
+    cfg = RealtimeConfig.model_validate({"cliff": {"action": "refuse", "horizon_s": 12}, "max_clock_skew_s": 0.5})
+    assert cfg.cliff.action == "refuse" and cfg.cliff.horizon_s == 12.0 and cfg.max_clock_skew_s == 0.5
+    assert RealtimeConfig().cliff.action == "warn"
+    with pytest.raises(ValidationError, match="cliff.horizon"):
+        RealtimeConfig.model_validate({"cliff": {"horizon": 12}})
+    with pytest.raises(ValidationError, match="max_clock_skew_s"):
+        RealtimeConfig.model_validate({"max_clock_skew_s": -1})
