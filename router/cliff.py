@@ -16,7 +16,8 @@ No saturation ahead (eta None) when g = 0 or C is unknown (0); eta 0 when R >= C
 Counting tokens, not blocks, is what keeps the running ticks' blocks out of R.
 
 `cliff_admission` turns a forecast into a verdict for a new real-time session: refuse (or warn)
-when the decoder's cliff is closer than `horizon_s` (realtime.cliff in the YAML).
+when the decoder's cliff is closer than `horizon_s` (realtime.cliff in the YAML). The directory
+first places a new real-time session on a decoder whose cliff is not that close, when one is live.
 """
 from __future__ import annotations
 
@@ -111,8 +112,13 @@ class CliffVerdict:
         return f"the decoder's KV pool is forecast full in {self.eta_s:.1f} s (horizon {self.horizon_s:g} s)"
 
 
+def within_horizon(eta_s: float | None, horizon_s: float) -> bool:
+    """The cliff (eta_s seconds away; None: none ahead) is closer than horizon_s."""
+    return eta_s is not None and eta_s < horizon_s
+
+
 def cliff_admission(eta_s: float | None, cfg: CliffAdmissionConfig) -> CliffVerdict:
     """admit unless the forecast cliff (eta_s, None: none ahead) is within cfg.horizon_s."""
-    near = eta_s is not None and eta_s < cfg.horizon_s
+    near = within_horizon(eta_s, cfg.horizon_s)
     action: Literal["admit", "warn", "refuse"] = "admit" if cfg.action == "off" or not near else cfg.action
     return CliffVerdict(action, eta_s, cfg.horizon_s)

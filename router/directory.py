@@ -81,12 +81,14 @@ class ConversationDirectory:
                 self._retained.set(float(forecast.retained_tokens), tags=tags)
                 self._growth.set(forecast.growth_tokens_per_s, tags=tags)
 
-    async def route(self, session_id: str | None, user: str | None, prompt_tokens: int, *, owned: bool = True) -> TurnPlan:
+    async def route(self, session_id: str | None, user: str | None, prompt_tokens: int, *, owned: bool = True,
+                    cliff_horizon_s: float | None = None) -> TurnPlan:
         """owned=False: a session whose id the server made and whose connection is its only key
-        (a real-time WebSocket): pinned like a conversation, never written to the ownership store."""
+        (a real-time WebSocket): pinned like a conversation, never written to the ownership store.
+        cliff_horizon_s: a new session avoids decoders whose KV cliff is that close (real-time)."""
         self._ensure_expiry()
         before = self._state.totals["conversations"]
-        plan = self._state.route(session_id, user, prompt_tokens, time.monotonic(), owned=owned)
+        plan = self._state.route(session_id, user, prompt_tokens, time.monotonic(), owned=owned, cliff_horizon_s=cliff_horizon_s)
         if self._state.totals["conversations"] > before:
             self._conversations.inc()
         if plan.remote_prefill:

@@ -14,8 +14,11 @@ how fast it grows (baton/engine/realtime/growth.py).
 replica holds (it served a turn of them lately), with how long each has been idle there."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
+
+from router.cliff import DecoderTokens
 
 POOLS = ("prefill", "decode")
 MAX_REPORTED_CONVERSATIONS = 4096  # the most recent conversations one report lists
@@ -31,7 +34,7 @@ class ReplicaReport:
 
     extra: display-only figures (name, value) such as checkpoint or segment counters; shown in the
     snapshot, never used for placement. Invariants (checked at construction): a known pool,
-    no negative fraction or count, extra names distinct and not shadowing a field.
+    no negative fraction or count, finite token rates, extra names distinct and not shadowing a field.
 
     conversations: (session id, seconds since this replica last served a turn of it), most
     recent first, at most MAX_REPORTED_CONVERSATIONS, ids non-empty and distinct, idle >= 0.
@@ -60,8 +63,8 @@ class ReplicaReport:
         if self.pool not in POOLS:
             raise ValueError(f"unknown pool {self.pool!r} in the report of {self.replica_id}")
         negative = [name for name in ("kv_usage", "kv_resident", *_COUNTS, *_RATES) if not getattr(self, name) >= 0]
-        if negative:
-            raise ValueError(f"negative figures {negative} in the report of {self.replica_id}")
+        if negative or not all(math.isfinite(getattr(self, name)) for name in _RATES):
+            raise ValueError(f"negative (or non-finite) figures {negative or list(_RATES)} in the report of {self.replica_id}")
         names = [name for name, _ in self.extra]
         own = {f.name for f in fields(self)}
         if len(set(names)) != len(names) or own & set(names):
@@ -71,6 +74,11 @@ class ReplicaReport:
             raise ValueError(f"{len(held)} conversations in the report of {self.replica_id} (at most {MAX_REPORTED_CONVERSATIONS})")
         if len(set(held)) != len(held) or not all(held) or any(idle < 0 for _, idle in self.conversations):
             raise ValueError(f"conversations in the report of {self.replica_id} must be distinct non-empty ids with idle >= 0")
+
+    def decoder_tokens(self) -> DecoderTokens:
+        """The token figures the cliff predictor reads (router/cliff.py)."""
+        return DecoderTokens(self.kv_capacity_tokens, self.retained_tokens, self.offered_growth_tokens_per_s,
+                             self.served_growth_tokens_per_s)
 
     def figures(self) -> dict[str, Any]:
         """The flat figures: every field but replica_id, pool, extra and conversations, then the extra figures."""

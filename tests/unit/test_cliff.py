@@ -62,7 +62,8 @@ def test_seconds_to_needs_a_fraction_of_the_pool() -> None:
 
 
 def test_a_report_refuses_negative_or_nan_rates() -> None:
-    for bad in ({"offered_growth_tokens_per_s": -1.0}, {"served_growth_tokens_per_s": math.nan}, {"retained_tokens": -1}):
+    for bad in ({"offered_growth_tokens_per_s": -1.0}, {"served_growth_tokens_per_s": math.nan}, {"retained_tokens": -1},
+                {"offered_growth_tokens_per_s": math.inf}):
         with pytest.raises(ValueError, match="negative"):
             ReplicaReport("d0", "decode", **bad)  # type: ignore[arg-type]
     figures = ReplicaReport("d0", "decode", retained_tokens=5, offered_growth_tokens_per_s=1.0).figures()
@@ -92,6 +93,20 @@ def test_the_replica_report_carries_its_sessions_token_growth() -> None:
     r = replica_report("d0", "decode", EngineStats(kv_capacity_tokens=5_000), TransferTotals(), growth=growth)
     assert (r.retained_tokens, r.offered_growth_tokens_per_s, r.served_growth_tokens_per_s) == (900, 10.0, 8.0)
     assert replica_report("d0", "decode", EngineStats(), TransferTotals()).retained_tokens == 0
+
+
+def test_a_new_real_time_session_avoids_a_decoder_near_its_cliff_while_another_is_live(make_state: MakeState) -> None:
+    state = make_state(policy="colocated")
+    near = {"retained_tokens": 9_000, "offered_growth_tokens_per_s": 100.0, "served_growth_tokens_per_s": 100.0}  # 10 s
+    state.report(rep("d0", "decode", **near), 0.0)  # d0 is the less loaded one, but 10 s from full
+    state.report(rep("d1", "decode", kv=0.5), 0.0)
+    assert state.route("rt-1", None, 20, now=1.0, owned=False).decode_replica == "d0"  # without a horizon: by load
+    plan = state.route("rt-2", None, 20, now=1.0, owned=False, cliff_horizon_s=30.0)
+    assert plan.decode_replica == "d1" and plan.cliff_eta_s is None
+    assert state.route("rt-1", None, 20, now=2.0, owned=False, cliff_horizon_s=30.0).decode_replica == "d0"  # a pin stays
+    state.report(rep("d1", "decode", kv=0.5, **near), 2.0)  # both near the cliff: by load again, and the plan says how near
+    plan = state.route("rt-3", None, 20, now=2.0, owned=False, cliff_horizon_s=30.0)
+    assert plan.decode_replica == "d0" and plan.cliff_eta_s == pytest.approx(8.0)
 
 
 def test_a_decoder_without_real_time_growth_has_no_cliff_in_its_plans(make_state: MakeState) -> None:

@@ -224,7 +224,8 @@ def test_the_directory_pins_the_session_to_a_replica() -> None:
     assert decode.opens[0].target_replica == "replica-3"
     (route_args,) = directory.called("route")
     assert route_args[0] == decode.opens[0].session_id and route_args[2] == len(decode.opens[0].preamble_ids)
-    assert directory.kwargs[0] == ("route", {"owned": False})  # a server-made id: never in the ownership store
+    # a server-made id: never in the ownership store; placed away from decoders near their KV cliff (realtime.cliff)
+    assert directory.kwargs[0] == ("route", {"owned": False, "cliff_horizon_s": 30.0})
     assert_all_released(rt, decode)
 
 
