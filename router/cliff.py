@@ -13,6 +13,7 @@ replica counts (baton/engine/realtime/growth.py):
     t_sat       = at + (C − R) ÷ g    C: the pool's capacity in tokens
 
 No saturation ahead (eta None) when g = 0 or C is unknown (0); eta 0 when R >= C already.
+Sessions still warming up (one tick so far) count at the others' mean rate (growth.py).
 Counting tokens, not blocks, is what keeps the running ticks' blocks out of R.
 
 `cliff_admission` turns a forecast into a verdict for a new real-time session: refuse (or warn)

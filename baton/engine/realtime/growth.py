@@ -9,10 +9,9 @@ retained: what the pool holds for it between ticks (`retained_tokens`). Over its
     served   = appended ÷ (t_k − t_0)            (how fast the engine really got through them)
 
 A session silent for longer than STALE_PERIODS of its period adds its retained tokens but no
-growth. A session that retains KV and is still warming up (fewer than 2 completed ticks, a declared
-period, not stale)
-has no rate of its own yet: it is counted at the mean rates of the sessions that have one, as
-Metronome's N·r counts every live session at the mean rate r. `TokenGrowth` sums them over the
+growth. A session that retains KV and is still warming up (fewer than 2 completed ticks, a
+declared period, not stale) has no rate of its own yet: it is counted at the mean rates of the
+sessions that have one, as Metronome's N·r counts every live session at the mean rate r. `TokenGrowth` sums them over the
 replica's sessions; router/cliff.py turns that into a forecast.
 """
 from __future__ import annotations
