@@ -326,7 +326,16 @@ def cliff(pool: Sequence[dict[str, Any]], outcomes: Sequence[TickOutcome], first
             "onset_rule": f"deadline of the first of {DEFAULT_CONSECUTIVE} consecutive late or missing ticks, all sessions in send order",
             "first_session_collapse_s": first_collapse, "start_s": start, "forecasts": score.samples,
             "capped_share": sum(s["growth_capped"] for s in capped) / len(capped) if capped else None,
-            "points": [asdict(p) for p in score.points], "error": score.horizon_error, "error_vs_onset": score.onset_error}
+            "points": [{**asdict(p), "at_fit": _at_fit(pool, p.t_fit)} for p in score.points],
+            "error": score.horizon_error, "error_vs_onset": score.onset_error}
+
+
+def _at_fit(pool: Sequence[dict[str, Any]], t_fit: float | None) -> dict[str, Any] | None:
+    """What the predictor saw at a fit point (the pool sample of that time), to explain its error."""
+    s = next((s for s in pool if s["t"] == t_fit), None)
+    keys = ("live", "growing_sessions", "retained_tokens", "offered_tokens_per_s", "served_tokens_per_s", "growth_tokens_per_s",
+            "growth_capped", "rho")
+    return {k: s[k] for k in keys} if s is not None else None
 
 
 def mode_report(phase: _Phase) -> dict[str, Any]:

@@ -24,7 +24,8 @@ def pool_series(rate: float, until: float, live_from: float = 1.0) -> list[dict[
         retained = max(0.0, (t - live_from) * rate)
         eta = max(0.0, (realtime.SAT_RHO * CAPACITY - retained) / rate) if t >= live_from else None
         out.append({"t": t, "live": 20 if t >= live_from else 0, "rho": min(1.0, retained / CAPACITY), "eta_sat_s": eta,
-                    "growth_capped": False})
+                    "growth_capped": False, "growing_sessions": 20, "retained_tokens": int(retained), "offered_tokens_per_s": rate,
+                    "served_tokens_per_s": rate, "growth_tokens_per_s": rate})
     return out
 
 
@@ -37,6 +38,7 @@ def test_the_cliff_score_of_an_exact_forecast_is_zero_and_the_onset_is_scored_to
     assert c["onset_s"] == pytest.approx(82.0)
     assert c["error"] == pytest.approx(0.0, abs=1e-9)
     assert [p["fraction"] for p in c["points"]] == [0.25, 0.5, 0.75]
+    assert c["points"][1]["at_fit"]["retained_tokens"] == int((c["points"][1]["t_fit"] - 1.0) * 100)
     # against the onset at 82 s, each fit predicted 98 s: 16 / (82 − t_fit)
     assert c["error_vs_onset"] == pytest.approx(sorted(16 / (82 - p["t_fit"]) for p in c["points"])[1])
 
