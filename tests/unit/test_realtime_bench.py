@@ -67,7 +67,17 @@ class CrowdedRunner:
             self.active -= 1
 
 
-def test_the_aimd_phase_counts_the_decreases_the_controller_made(monkeypatch: pytest.MonkeyPatch) -> None:
+def synthetic_mode(pool: list[dict[str, Any]], outcomes: list[TickOutcome]) -> dict[str, Any]:
+    """A mode report with the keys the bench prints (what mode_report builds from a run)."""
+    return {"sessions": 20, "collapsed": 1, "ticks": len(outcomes), "first_collapse_s": None, "p50_s": 0.5, "p99_s": 1.0,
+            "truth": {"misses": 0, "late": 0, "empty": 0, "missing": 0, "on_time": len(outcomes)},
+            "naive": {"ticks_served": len(outcomes), "errors": 0, "deadline_misses": 0}, "peak_rho": 1.0,
+            "latency_by_live": [{"live_lo": 1, "live_hi": 4, "p99_s": 0.3, "miss_share": 0.0, "ticks": 10}],
+            "cpu": {"cores_used": 0.5, "loadavg_1m_mean": 1.0, "loadavg_1m_max": 2.0},
+            "occupancy": pool, "cliff": realtime.cliff(pool, outcomes, None)}
+
+
+def test_the_aimd_phase_counts_the_decreases_the_controller_made(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(realtime, "SAMPLE_S", 0.05)
     wl = dataclasses.replace(realtime.QUICK, period_s=0.1, deadline_s=0.1, sink_tokens=2, window_tokens=8, max_tokens=1,
                              grace_s=0.1, target_p99_ms=80.0, aimd_s=3.0, aimd_ticks=4)
@@ -81,3 +91,9 @@ def test_the_aimd_phase_counts_the_decreases_the_controller_made(monkeypatch: py
                                 {"start_s": pytest.approx(2.1), "sessions": 4}]
     assert aimd["session_ticks"] >= aimd["ticks_to_fill_window"] + 2
     assert aimd["config"]["initial_cap"] == 2
+    # the summary the bench prints reads every field it needs from these reports
+    mode = synthetic_mode(pool_series(100.0, 120.0), [TickOutcome(q, 2.0 * q, 2.0 * q + 2.0, 2.0 * q + 0.5, 5) for q in range(60)])
+    realtime._print_summary({"unbounded": mode, "bounded": mode}, aimd, wl)
+    realtime._print_mode("unbounded", mode)
+    out = capsys.readouterr().out
+    assert "fit 50%: at 49.5s predicted 98.0s -> e=0.000" in out and f"{aimd['decreases']} decreases" in out
