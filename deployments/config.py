@@ -215,7 +215,27 @@ class AppConfig(_Strict):
                 f"routing.policy {self.routing.policy!r} serves whole requests on the decode pool: set prefill.num_replicas to 0 "
                 f"(and give those engines to the decode pool)"
             )
+        self._checkpoints_without_connector()
         return self
+
+    def _checkpoints_without_connector(self) -> None:
+        """Recurrent-state checkpoints (hybrid models) run only on engines without a KV connector
+        today. A handoff (a disaggregated policy), memories and real-time windows each configure
+        one, and with it vLLM turns off its hybrid KV cache manager (the connectors do not declare
+        HMA support yet), so a hybrid model fails at startup, and its prefix-hit path restores the
+        junction states the checkpoint policy dropped. Refused here, by field, rather than at the
+        engine's start."""
+        pools = [p for p in (self.prefill, self.decode) if p is not None and p.engine.checkpoints is not None]
+        if not pools:
+            return
+        why = [f"routing.policy {self.routing.policy!r} hands KV off between pools"] if self.routing.disaggregated else []
+        why += ["memory (KV injection)"] if self.memory is not None else []
+        why += ["realtime (held windows)"] if self.realtime is not None else []
+        if why:
+            raise ValueError(
+                f"engine.checkpoints (hybrid models) cannot run with a KV connector yet, and {', '.join(why)} configures one: "
+                f"use routing.policy colocated without memory and realtime for a hybrid model with checkpoints"
+            )
 
 
 def _pool_can_run(pool: PoolConfig) -> bool:

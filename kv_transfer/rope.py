@@ -10,7 +10,9 @@ RoPE rotates each pair of a key's dimensions by angle p·θ_i, θ_i = base^(-2i/
 The cos/sin table is built exactly as vLLM builds its own (fp32 `t * inv_freq`, cos/sin, then
 rounded to the model dtype), so a re-rotated key matches the engine's key at the new position up
 to one rounding of the model dtype. Only unscaled ("default") RoPE is supported; other rope types
-raise UnsupportedRope with the type named, and injection falls back to recompute.
+raise UnsupportedRope with the type named. The segment connector then turns injection and capture
+off on that engine (kv_transfer/segment_scheduler.py `disabled`): memories and real-time windows
+are computed from tokens, and the engine starts as usual.
 """
 from __future__ import annotations
 

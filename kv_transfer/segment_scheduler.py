@@ -41,10 +41,15 @@ class _PendingCapture:
 class SegmentScheduler:
     """Scheduler-side state: promised injections, loads to run this step, captures in flight."""
 
-    def __init__(self, block_size: int, table: SegmentTable | None = None, counters: SegmentCounters | None = None):
+    def __init__(self, block_size: int, table: SegmentTable | None = None, counters: SegmentCounters | None = None,
+                 disabled: str | None = None):
+        """disabled: why this engine cannot inject or capture (a RoPE the worker cannot
+        re-rotate): every injection is refused (computed instead) and every capture fails at
+        once with this reason, so callers fall back to recompute; the engine still serves."""
         if block_size <= 0:
             raise ValueError(f"block size must be positive, got {block_size}")
         self._block_size = block_size
+        self.disabled = disabled
         self._table = table if table is not None else process_segments()
         self.counters = counters if counters is not None else new_counters()
         self._matched: dict[str, int] = {}  # request id → inject end promised
@@ -53,7 +58,15 @@ class SegmentScheduler:
 
     @classmethod
     def from_config(cls, vllm_config: VllmConfig) -> SegmentScheduler:
-        return cls(vllm_config.cache_config.block_size)
+        from kv_transfer.rope import UnsupportedRope, rope_spec_from_hf_config
+
+        try:
+            rope_spec_from_hf_config(vllm_config.model_config.hf_config)
+            disabled = None
+        except UnsupportedRope as e:
+            disabled = f"KV injection and capture are off on this engine: {e}"
+            logger.warning("%s; memories and real-time windows are computed from tokens instead", disabled)
+        return cls(vllm_config.cache_config.block_size, disabled=disabled)
 
     @property
     def in_flight(self) -> int:
@@ -64,6 +77,9 @@ class SegmentScheduler:
         p = segment_params(request)
         end = int(p.get("inject_end") or 0) if p else 0
         if not end or num_computed_tokens >= end:
+            return 0, False
+        if self.disabled is not None:
+            self.counters.refused()
             return 0, False
         inj = self._table.injection(p["key"])
         prompt = request.prompt_token_ids or []
@@ -86,7 +102,9 @@ class SegmentScheduler:
             block_ids = blocks.get_block_ids()[0]
             start = end - num_external_tokens
             self._pending_loads.append(SegmentLoad(p["key"], start, end, slots_for(block_ids, self._block_size, start, end)))
-        if p and p.get("capture"):
+        if p and p.get("capture") and self.disabled is not None:
+            self._table.put_capture(p["key"], CaptureResult(error=self.disabled))
+        elif p and p.get("capture"):
             ranges = tuple((int(a), int(b)) for a, b in p["capture"])
             self._pending_captures[request.request_id] = _PendingCapture(p["key"], ranges)
 

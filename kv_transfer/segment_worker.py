@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kv_transfer.paged_kv import PagedLayout, layer_writer, learn_layout, read_tokens
-from kv_transfer.rope import RopeSpec, Rotator, remove_rope, rope_spec_from_hf_config
+from kv_transfer.rope import RopeSpec, Rotator, UnsupportedRope, remove_rope, rope_spec_from_hf_config
 from kv_transfer.segment_meta import SegmentCapture, SegmentConnectorMetadata, SegmentLoad
 from kv_transfer.segment_stats import SegmentCounters, new_counters
 from kv_transfer.segments import CaptureResult, KVSegment, SegmentTable, process_segments
@@ -58,7 +58,7 @@ class _Staging:
 class SegmentWorker:
     """Worker-side state: the attention layers, the rope table, staging buffers, failed blocks."""
 
-    def __init__(self, block_size: int, dtype: torch.dtype, rope: RopeSpec, max_positions: int,
+    def __init__(self, block_size: int, dtype: torch.dtype, rope: RopeSpec | None, max_positions: int,
                  table: SegmentTable | None = None, counters: SegmentCounters | None = None):
         if block_size <= 0 or max_positions <= 0:
             raise ValueError(f"block size {block_size} and max positions {max_positions} must be positive")
@@ -76,9 +76,20 @@ class SegmentWorker:
 
     @classmethod
     def from_config(cls, vllm_config: VllmConfig) -> SegmentWorker:
+        """rope None: a RoPE this module cannot re-rotate; the scheduler side then schedules no
+        load or capture (SegmentScheduler.disabled), and one that came anyway fails into the
+        recompute fallback, never into a failed start."""
         mc = vllm_config.model_config
-        rope = rope_spec_from_hf_config(mc.hf_config, table_dtype=mc.dtype)
+        try:
+            rope: RopeSpec | None = rope_spec_from_hf_config(mc.hf_config, table_dtype=mc.dtype)
+        except UnsupportedRope:
+            rope = None
         return cls(vllm_config.cache_config.block_size, mc.dtype, rope, mc.max_model_len)
+
+    def _spec(self) -> RopeSpec:
+        if self._rope is None:
+            raise RuntimeError("this model's RoPE cannot be re-rotated: KV injection and capture are off")
+        return self._rope
 
     def _attention_layers(self, forward_context: ForwardContext) -> list[Any]:
         if self._layers is None:
@@ -113,7 +124,7 @@ class SegmentWorker:
         if first.keys.shape[0] != len(layers):
             raise RuntimeError(f"segments have {first.keys.shape[0]} layers, the model {len(layers)}")
         if self._rotator is None:
-            self._rotator = Rotator(self._rope, self._max_positions)
+            self._rotator = Rotator(self._spec(), self._max_positions)
         n = load.end - load.start
         keys, keys16, values = self._staging.views(len(layers), n, first.keys.shape[2], first.keys.shape[3], self._dtype)
         inj.copy_range(load.start, load.end, keys, values)
@@ -144,11 +155,11 @@ class SegmentWorker:
             raise RuntimeError("no attention layers seen yet")
         layers = self._layers
         if self._layout is None:
-            self._layout = learn_layout(layer_writer(layers[0]), self._block_size, self._rope.head_dim, self._dtype)
+            self._layout = learn_layout(layer_writer(layers[0]), self._block_size, self._spec().head_dim, self._dtype)
         out = []
         for (a, b), slots in zip(cap.ranges, cap.slots, strict=True):
             idx = torch.tensor(slots, dtype=torch.long)
             ks, vs = zip(*(read_tokens(layer.kv_cache, idx, self._layout) for layer in layers), strict=True)
-            keys = remove_rope(torch.stack(ks), torch.arange(a, b), self._rope)
+            keys = remove_rope(torch.stack(ks), torch.arange(a, b), self._spec())
             out.append(KVSegment(cap.token_ids[a:b], keys, torch.stack(vs).clone()))
         return tuple(out)

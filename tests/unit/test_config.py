@@ -332,3 +332,21 @@ def test_a_config_with_grpc_uses_api_keys(path: Path) -> None:
         assert "grpc_options" not in doc and not ingress.get("allow_unauthenticated")
     if "grpc_options" in doc:
         assert ingress.get("api_keys_env") and not ingress.get("allow_unauthenticated")
+
+
+def _hybrid(**top: Any) -> dict[str, Any]:
+    args = minimal_args(routing={"policy": "colocated"}, **top)
+    del args["prefill"]
+    args["decode"]["engine"]["checkpoints"] = {"strategy": "dp", "budget": 8}
+    return args
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"routing": {"policy": "conversation"}, "prefill": {"num_replicas": 1, "engine": {"model": "m"}}}, "hands KV off"),
+    ({"memory": {}}, "memory (KV injection)"),
+    ({"realtime": {}}, "realtime (held windows)"),
+])
+def test_checkpoints_with_a_kv_connector_are_refused_by_what_configures_it(change: dict[str, Any], named: str) -> None:
+    assert load_app_config(_hybrid()).decode.engine.checkpoints is not None  # colocated, no memory or realtime: runs
+    message = config_error({**_hybrid(), **change})
+    assert "engine.checkpoints" in message and named in message and "colocated" in message

@@ -199,3 +199,34 @@ def test_a_finished_request_leaves_no_scheduler_state(pair: tuple[Any, Any]) -> 
     assert sched.get_num_new_matched_tokens(r, 0) == (2, False)
     assert sched.request_finished(r, []) == (False, None)
     assert sched.scheduler_side.in_flight == 0
+
+
+def llama31_config() -> Any:
+    """A Llama-3.1-style model: llama3 RoPE scaling, which this module cannot re-rotate (yet)."""
+    cfg = vllm_config()
+    cfg.model_config.hf_config.rope_scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 8192}
+    return cfg
+
+
+def test_a_rope_that_cannot_be_re_rotated_turns_injection_off_and_the_engine_still_starts() -> None:
+    sched = SegmentConnector(llama31_config(), KVConnectorRole.SCHEDULER)
+    worker = SegmentConnector(llama31_config(), KVConnectorRole.WORKER)  # constructed: no failed start
+    assert "llama3" in (sched.scheduler_side.disabled or "")
+    before = segment_stats()
+    prompt = [11, 12, 13, 14, 15, 16, 17]
+    process_segments().offer("k1", (segment((11, 12, 13, 14, 15)),))
+    try:
+        r1 = request("r1", prompt, key="k1", inject_end=5)
+        assert sched.get_num_new_matched_tokens(r1, 0) == (0, False)  # computed from tokens instead
+        assert segment_stats().unavailable == before.unavailable + 1
+        r2 = request("r2", prompt, key="k2", capture=[[1, 4]])
+        sched.update_state_after_alloc(r2, Blocks([3, 1]), 0)
+        result = process_segments().take_capture("k2")
+        assert result is not None and result.segments == () and "llama3" in (result.error or "")  # failed at once, with why
+        meta = sched.build_connector_meta(step(new=[("r2", prompt, [3, 1], 0)], scheduled={"r2": 7}))
+        assert meta.loads == [] and meta.captures == []
+        run_worker(worker, meta, forward_context())  # nothing to do; nothing raised
+    finally:
+        for key in ("k1", "k2"):
+            process_segments().discard(key)

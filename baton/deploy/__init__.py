@@ -1,0 +1,1 @@
+"""Deployment manifests generated from Serve configs (KubeRay)."""
