@@ -23,12 +23,7 @@ _OPTIONAL = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "pr
 
 
 def chat_body(req: pb.ChatRequest, stream: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {"messages": [_message(m) for m in req.messages], "stream": stream}
-    body.update({f: getattr(req, f) for f in _OPTIONAL if req.HasField(f)})
-    if req.stop:
-        body["stop"] = list(req.stop)
-    if req.ignore_eos:
-        body["ignore_eos"] = True
+    body = {"messages": [_message(m) for m in req.messages], **_sampling_body(req, _OPTIONAL, stream)}
     if req.HasField("memories"):
         m = req.memories
         body["memories"] = {k: getattr(m, k) for k in ("k", "mode", "window") if m.HasField(k)} | ({"ids": list(m.ids)} if m.ids else {})
@@ -36,30 +31,34 @@ def chat_body(req: pb.ChatRequest, stream: bool) -> dict[str, Any]:
         body["tools"] = _json(req.tools_json, "tools_json")
     if req.tool_choice_json:
         body["tool_choice"] = _json(req.tool_choice_json, "tool_choice_json")
-    if stream and req.include_usage:
-        body["stream_options"] = {"include_usage": True}
     return body
 
 
 _COMPLETION_OPTIONAL = tuple(f for f in _OPTIONAL if f != "parallel_tool_calls")
 
 
-def completion_body(req: pb.CompletionRequest, stream: bool) -> dict[str, Any]:
-    """The completions body; the prompt is the text or the token ids (a missing one: absent, so
-    the body's validation answers it as over HTTP)."""
-    body: dict[str, Any] = {"stream": stream}
-    kind = req.WhichOneof("prompt")
-    if kind == "text":
-        body["prompt"] = req.text
-    elif kind == "token_ids":
-        body["prompt"] = list(req.token_ids.ids)
-    body.update({f: getattr(req, f) for f in _COMPLETION_OPTIONAL if req.HasField(f)})
+def _sampling_body(req: Any, optional: tuple[str, ...], stream: bool) -> dict[str, Any]:
+    """The body fields ChatRequest and CompletionRequest share: the set optional ones, stop,
+    ignore_eos, and stream_options when a stream asks for usage."""
+    body: dict[str, Any] = {"stream": stream, **{f: getattr(req, f) for f in optional if req.HasField(f)}}
     if req.stop:
         body["stop"] = list(req.stop)
     if req.ignore_eos:
         body["ignore_eos"] = True
     if stream and req.include_usage:
         body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def completion_body(req: pb.CompletionRequest, stream: bool) -> dict[str, Any]:
+    """The completions body; the prompt is the text or the token ids (a missing one: absent, so
+    the body's validation answers it as over HTTP)."""
+    body = _sampling_body(req, _COMPLETION_OPTIONAL, stream)
+    kind = req.WhichOneof("prompt")
+    if kind == "text":
+        body["prompt"] = req.text
+    elif kind == "token_ids":
+        body["prompt"] = list(req.token_ids.ids)
     return body
 
 
@@ -147,13 +146,7 @@ def error_message(e: APIError) -> pb.Error:
 def chat_request(body: dict[str, Any]) -> pb.ChatRequest:
     """The ChatRequest for an HTTP chat-completions body (fields the proto does not carry are
     dropped; `stream` is the RPC's choice)."""
-    req = pb.ChatRequest(messages=[_message_proto(m) for m in body["messages"]])
-    for f in _OPTIONAL:
-        if body.get(f) is not None:
-            setattr(req, f, body[f])
-    stop = body.get("stop")
-    req.stop.extend([stop] if isinstance(stop, str) else stop or [])
-    req.ignore_eos = bool(body.get("ignore_eos"))
+    req = _with_sampling(pb.ChatRequest(messages=[_message_proto(m) for m in body["messages"]]), body, _OPTIONAL)
     if body.get("memories") is not None:
         m = body["memories"]
         req.memories.CopyFrom(pb.Memories(ids=m.get("ids") or [], **{k: m[k] for k in ("k", "mode", "window") if m.get(k) is not None}))
@@ -161,13 +154,24 @@ def chat_request(body: dict[str, Any]) -> pb.ChatRequest:
         req.tools_json = json.dumps(body["tools"])
     if body.get("tool_choice") is not None:
         req.tool_choice_json = json.dumps(body["tool_choice"])
+    return req
+
+
+def _with_sampling(req: Any, body: dict[str, Any], optional: tuple[str, ...]) -> Any:
+    """`req` with the body fields ChatRequest and CompletionRequest share (the inverse of _sampling_body)."""
+    for f in optional:
+        if body.get(f) is not None:
+            setattr(req, f, body[f])
+    stop = body.get("stop")
+    req.stop.extend([stop] if isinstance(stop, str) else stop or [])
+    req.ignore_eos = bool(body.get("ignore_eos"))
     req.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     return req
 
 
 def completion_request(body: dict[str, Any]) -> pb.CompletionRequest:
     """The CompletionRequest for an HTTP completions body (text, token ids, or a one-text list)."""
-    req = pb.CompletionRequest()
+    req = _with_sampling(pb.CompletionRequest(), body, _COMPLETION_OPTIONAL)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         prompt = prompt[0] if len(prompt) == 1 else prompt
@@ -175,13 +179,6 @@ def completion_request(body: dict[str, Any]) -> pb.CompletionRequest:
         req.text = prompt
     elif isinstance(prompt, list):
         req.token_ids.CopyFrom(pb.TokenIds(ids=prompt))
-    for f in _COMPLETION_OPTIONAL:
-        if body.get(f) is not None:
-            setattr(req, f, body[f])
-    stop = body.get("stop")
-    req.stop.extend([stop] if isinstance(stop, str) else stop or [])
-    req.ignore_eos = bool(body.get("ignore_eos"))
-    req.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     return req
 
 
