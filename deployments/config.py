@@ -16,6 +16,7 @@ from deployments.salt import PrefixCacheScope
 from memory_store.config import MemoryConfig
 from router.admission import AdmissionConfig
 from router.chat_admission import ChatAdmissionConfig
+from router.cliff import CliffAdmissionConfig
 from router.policy import DISAGGREGATED, Policy
 
 
@@ -162,6 +163,10 @@ class RealtimeConfig(_Strict):
     max_frame_bytes: int = Field(64 * 1024, ge=1024, description="largest client frame; beyond: an error frame and close 1009")
     max_sessions_per_user: int = Field(4, ge=1, description="live sessions one user may hold at one ingress; beyond: refused (1008)")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig, description="AIMD cap on live sessions per ingress")
+    cliff: CliffAdmissionConfig = Field(
+        default_factory=CliffAdmissionConfig, description="what a new session meets when its decoder's KV pool is forecast full soon")
+    max_clock_skew_s: float = Field(
+        1.0, ge=0, description="an input's sent_at may lie this far ahead of the server's clock (clock skew); further: refused")
 
     @model_validator(mode="after")
     def _frames_fit_inputs(self) -> RealtimeConfig:

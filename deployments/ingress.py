@@ -18,9 +18,9 @@ from deployments.grpc_api import GrpcFrontend
 from deployments.inflight import InflightLimit
 from deployments.input_limits import InputLimits
 from deployments.memory_api import MemoryFrontend
-from deployments.metrics import ServeIngressMetrics
+from deployments.metrics import ServeIngressMetrics, ServeRealtimeMetrics
 from deployments.openai_api import api_keys_from_env, build_openai_app
-from deployments.realtime_api import RealtimeFrontend, ServeRealtimeMetrics
+from deployments.realtime_api import RealtimeFrontend
 from deployments.salt import PrefixCacheScope
 from deployments.tool_calls import ToolCalling
 from memory_store.config import MemoryConfig

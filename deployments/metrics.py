@@ -167,3 +167,49 @@ class ServeSegmentMetrics:
         for name, step in segment_increments(self._published, now).items():
             self._counters[name].inc(step)
         self._published = now
+
+
+# ---- real-time sessions (deployments/realtime_api.py) ---------------------------------------------
+
+_TICK_BOUNDARIES_S = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]
+
+
+class RealtimeMetrics(Protocol):
+    def tick(self, seconds: float, late: bool) -> None: ...
+    def sessions(self, live: int, cap: int) -> None: ...
+    def refused(self) -> None: ...
+    def cliff(self, action: str) -> None: ...
+
+
+class ServeRealtimeMetrics:
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        self._tick = metrics.Histogram(
+            "baton_realtime_tick_seconds",
+            "per-tick latency at the ingress: from the client's send (input sent_at) when given, else from reading the frame, "
+            "to the output frame", boundaries=_TICK_BOUNDARIES_S)
+        self._late = metrics.Counter(
+            "baton_realtime_server_late_ticks",
+            "ticks the server saw exceed the deadline (a lower bound: without sent_at it misses queueing; it never sees lost frames)")
+        self._live = metrics.Gauge("baton_realtime_live_sessions", "live real-time sessions at this ingress")
+        self._cap = metrics.Gauge("baton_realtime_session_cap", "AIMD admission cap at this ingress")
+        self._refused = metrics.Counter("baton_realtime_refused_sessions", "sessions refused by admission control")
+        self._cliff = metrics.Counter(
+            "baton_realtime_cliff_sessions", "sessions opened while their decoder's KV cliff was within realtime.cliff.horizon_s, "
+            "by action (warn: admitted; refuse: refused)", tag_keys=("action",))
+
+    def tick(self, seconds: float, late: bool) -> None:
+        self._tick.observe(seconds)
+        if late:
+            self._late.inc()
+
+    def sessions(self, live: int, cap: int) -> None:
+        self._live.set(live)
+        self._cap.set(cap)
+
+    def refused(self) -> None:
+        self._refused.inc()
+
+    def cliff(self, action: str) -> None:
+        self._cliff.inc(tags={"action": action})

@@ -146,7 +146,7 @@ class EngineReplica:
             extra.update(checkpoints_held=ck.checkpoints_held, checkpoint_state_bytes=ck.state_bytes,
                          checkpoint_hit_tokens=ck.hit_tokens, checkpoint_recomputed_tokens=ck.recomputed_tokens)
         report = replica_report(self._replica_id, self._pool, stats, process_ledger().totals(), extra,
-                                self._held.recent(time.monotonic()))
+                                self._held.recent(time.monotonic()), self._realtime.token_growth())
         if self._directory is not None and stats.healthy:
             self._directory.report.remote(report)
         return report.figures()

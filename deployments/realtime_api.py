@@ -3,14 +3,23 @@
 Protocol (JSON text frames):
   client → {"type": "session.start", "instructions"?: str, "mode"?: "bounded"|"unbounded",
             "max_tokens"?: int, "tick_ms"?: int, "deadline_ms"?: int}
-  server → {"type": "session.started", "session_id", "mode", "sink_tokens", "window_tokens", "tick_ms", "deadline_ms"}
-  client → {"type": "input", "seq": int, "text": str}          (one per tick)
-  server → {"type": "output", "seq", "text", "server_ms", "prompt_tokens", "computed_tokens", "kv_tokens"}
+  server → {"type": "session.started", "session_id", "mode", "sink_tokens", "window_tokens", "tick_ms", "deadline_ms", "warning"?}
+  client → {"type": "input", "seq": int, "text": str, "sent_at"?: float}   (one per tick)
+  server → {"type": "output", "seq", "text", "server_ms", "queued_ms"?, "prompt_tokens", "computed_tokens", "kv_tokens"}
   client → {"type": "session.end"}                             → server closes with 1000
+`sent_at` is the client's send time (Unix seconds, its wall clock). With it the tick's latency —
+for the metrics, the lateness count and the AIMD controller — runs from the client's send, so it
+includes the time the frame queued before the server read it (`queued_ms`); without it, from the
+read. A value that is not a finite number, or lies more than `realtime.max_clock_skew_s` ahead of
+the server's clock or more than `realtime.idle_timeout_s` behind it, is an `invalid_value` error
+frame and close 1008 (the clocks disagree: its latencies would be fiction).
 Errors are {"type": "error", "code", "message", "retry_after_s"?} frames; a frame that is not
 JSON text (or holds a lone UTF-16 surrogate) closes with 1007, a malformed one with 1008, one over
 `realtime.max_frame_bytes` with 1009, a refused session (AIMD cap reached) with
 1013 "try again later" after an error frame carrying retry_after_s, a dead engine with 1011.
+A session whose decoder's KV pool is forecast full within `realtime.cliff.horizon_s`
+(router/cliff.py) is refused the same way (`cliff_ahead`, 1013) with `realtime.cliff.action:
+refuse`; with `warn` (the default) it is admitted and session.started carries a `warning`.
 A client that sends nothing for `realtime.idle_timeout_s` (before session.start or between
 inputs; a slow engine does not count) gets an "idle_timeout" error frame and a close with 4408
 (application range, after HTTP 408 Request Timeout); its engine-side session is closed and its
@@ -32,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -44,14 +54,15 @@ from baton.engine.types import EngineRequestError
 from deployments.backend import translate_error
 from deployments.errors import APIError
 from deployments.memory_api import USER_HEADER, resolve_user
+from deployments.metrics import RealtimeMetrics
 from deployments.request_body import InvalidJSON, decode_json
 from router.admission import AIMDController
+from router.cliff import cliff_admission
 
 logger = logging.getLogger("baton.realtime")
 
 CLOSE_NORMAL, CLOSE_BAD_DATA, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_INTERNAL, CLOSE_TRY_LATER = 1000, 1007, 1008, 1009, 1011, 1013
 CLOSE_IDLE = 4408  # the client sent nothing for idle_timeout_s
-_BOUNDARIES_S = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]
 
 
 class FrameError(ValueError):
@@ -78,37 +89,6 @@ class Socket(Protocol):
     async def receive(self) -> Any: ...
     async def send_json(self, data: Any) -> None: ...
     async def close(self, code: int = 1000, reason: str | None = None) -> None: ...
-
-
-class RealtimeMetrics(Protocol):
-    def tick(self, seconds: float, late: bool) -> None: ...
-    def sessions(self, live: int, cap: int) -> None: ...
-    def refused(self) -> None: ...
-
-
-class ServeRealtimeMetrics:
-    def __init__(self) -> None:
-        from ray.serve import metrics
-
-        self._tick = metrics.Histogram("baton_realtime_tick_seconds", "per-tick latency at the ingress (input frame to output frame)",
-                                       boundaries=_BOUNDARIES_S)
-        self._late = metrics.Counter("baton_realtime_server_late_ticks",
-                                     "ticks the server itself saw exceed the deadline (a lower bound: the client's truth includes queueing and lost frames)")
-        self._live = metrics.Gauge("baton_realtime_live_sessions", "live real-time sessions at this ingress")
-        self._cap = metrics.Gauge("baton_realtime_session_cap", "AIMD admission cap at this ingress")
-        self._refused = metrics.Counter("baton_realtime_refused_sessions", "sessions refused by admission control")
-
-    def tick(self, seconds: float, late: bool) -> None:
-        self._tick.observe(seconds)
-        if late:
-            self._late.inc()
-
-    def sessions(self, live: int, cap: int) -> None:
-        self._live.set(live)
-        self._cap.set(cap)
-
-    def refused(self) -> None:
-        self._refused.inc()
 
 
 def parse_frame(msg: dict[str, Any], max_bytes: int | None = None) -> dict[str, Any]:
@@ -185,11 +165,21 @@ class RealtimeFrontend:
         self._report()
         replica = None
         try:
-            target = await self._place(open_msg)
+            target, eta = await self._place(open_msg)
+            verdict = cliff_admission(eta, self._cfg.cliff)
+            if verdict.action != "admit" and self._metrics:
+                self._metrics.cliff(verdict.action)
+            if verdict.action == "refuse":
+                await _fail(ws, "cliff_ahead", verdict.describe(), CLOSE_TRY_LATER, retry_after_s=self._cfg.cliff.retry_after_s)
+                return
             replica = await self._decode.realtime_open.remote(dataclasses.replace(open_msg, target_replica=target))
-            await ws.send_json({"type": "session.started", "session_id": open_msg.session_id, "mode": open_msg.mode,
-                                "sink_tokens": open_msg.sink_tokens, "window_tokens": open_msg.window_tokens,
-                                "tick_ms": timing.tick_ms, "deadline_ms": timing.deadline_ms})
+            started = {"type": "session.started", "session_id": open_msg.session_id, "mode": open_msg.mode,
+                       "sink_tokens": open_msg.sink_tokens, "window_tokens": open_msg.window_tokens,
+                       "tick_ms": timing.tick_ms, "deadline_ms": timing.deadline_ms}
+            if verdict.action == "warn":
+                logger.warning("real-time session %s admitted near the KV cliff: %s", open_msg.session_id, verdict.describe())
+                started["warning"] = {"code": "cliff_ahead", "message": verdict.describe()}
+            await ws.send_json(started)
             await self._ticks(ws, open_msg.session_id, replica, timing.deadline_ms / 1000)
         except WebSocketDisconnect:
             pass
@@ -232,22 +222,28 @@ class RealtimeFrontend:
         preamble = tuple(self._renderer.text_tokens(
             self._renderer.chat_text([{"role": "system", "content": instructions}], add_generation_prompt=False)))
         msg = RealtimeOpen(session_id=f"rt-{uuid.uuid4().hex}", mode=mode, preamble_ids=preamble,
-                           sink_tokens=cfg.sink_tokens, window_tokens=cfg.window_tokens, max_tokens=max_tokens)
+                           sink_tokens=cfg.sink_tokens, window_tokens=cfg.window_tokens, max_tokens=max_tokens,
+                           tick_s=tick_ms / 1000)
         return msg, SessionTiming(tick_ms=tick_ms, deadline_ms=deadline_ms)
 
-    async def _place(self, msg: RealtimeOpen) -> str | None:
+    async def _place(self, msg: RealtimeOpen) -> tuple[str | None, float | None]:
+        """The decoder the directory chose and its KV cliff forecast (None, None: place by load)."""
         if self._directory is None:
-            return None
+            return None, None
         try:
-            plan = await asyncio.wait_for(self._directory.route.remote(msg.session_id, None, len(msg.preamble_ids), owned=False), 5.0)
-            return plan.decode_replica
+            cliff = self._cfg.cliff
+            horizon = cliff.horizon_s if cliff.action != "off" else None  # a decoder away from its cliff, if any
+            plan = await asyncio.wait_for(self._directory.route.remote(msg.session_id, None, len(msg.preamble_ids), owned=False,
+                                                                       cliff_horizon_s=horizon), 5.0)
+            return plan.decode_replica, plan.cliff_eta_s
         except Exception as e:  # noqa: BLE001 - advisory: place by load
             logger.warning("directory could not place a real-time session (%s)", type(e).__name__)
-            return None
+            return None, None
 
     async def _ticks(self, ws: Socket, session_id: str, replica: str, deadline_s: float) -> None:
         while True:
             data = await self._receive(ws)
+            read_at = time.time()
             if data["type"] == "session.end":
                 await ws.close(CLOSE_NORMAL)
                 return
@@ -257,6 +253,7 @@ class RealtimeFrontend:
             text = data.get("text")
             if not isinstance(text, str) or len(text) > self._cfg.max_input_chars:
                 raise FrameError("invalid_value", f"`text` must be a string of at most {self._cfg.max_input_chars} characters")
+            queued = _queued_s(data, read_at, self._cfg.max_clock_skew_s, self._cfg.idle_timeout_s)
             t0 = time.monotonic()
             # each input is one user turn of the chat template; the reply is the assistant's turn
             turn = self._renderer.text_tokens(self._renderer.turn_text("-", text))
@@ -270,7 +267,7 @@ class RealtimeFrontend:
                     continue
                 raise err from None
             now = time.monotonic()
-            latency = now - t0
+            latency = now - t0 + (queued or 0.0)  # from the client's send when it said when
             if result.error:  # the client gets no reply: a miss (+inf) for the controller, not a fast tick
                 self._ctl.observe_miss(now)
             else:
@@ -284,13 +281,31 @@ class RealtimeFrontend:
             if result.error:
                 await ws.send_json({"type": "error", "seq": seq, "code": "tick_failed", "message": result.error})
                 continue
-            await ws.send_json({"type": "output", "seq": seq, "text": result.text, "server_ms": round(latency * 1000, 1),
-                                "prompt_tokens": result.prompt_tokens, "computed_tokens": result.computed_tokens,
-                                "kv_tokens": result.kv_peak_tokens})
+            out = {"type": "output", "seq": seq, "text": result.text, "server_ms": round((now - t0) * 1000, 1),
+                   "prompt_tokens": result.prompt_tokens, "computed_tokens": result.computed_tokens, "kv_tokens": result.kv_peak_tokens}
+            if queued is not None:
+                out["queued_ms"] = round(queued * 1000, 1)
+            await ws.send_json(out)
 
     def _report(self) -> None:
         if self._metrics:
             self._metrics.sessions(self._live, self._ctl.cap)
+
+
+def _queued_s(data: dict[str, Any], read_at: float, skew_s: float, max_s: float) -> float | None:
+    """Seconds between the client's `sent_at` (Unix seconds) and the server reading the frame at
+    `read_at` (time.time()); None without sent_at; FrameError for a value the clocks cannot explain."""
+    v = data.get("sent_at")
+    if v is None:
+        return None
+    try:
+        sent = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+    except OverflowError:
+        sent = math.nan
+    if not math.isfinite(sent) or not -skew_s <= read_at - sent <= max_s:
+        raise FrameError("invalid_value", f"`sent_at` must be the client's send time in Unix seconds, at most {skew_s:g} s ahead of "
+                         f"the server's clock and {max_s:g} s behind it")
+    return max(0.0, read_at - sent)
 
 
 def _session_user(bound: str | None, named: Any, header: str | None) -> str | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 
+from baton.engine.realtime.growth import TokenGrowth
 from baton.engine.types import EngineStats
 from kv_transfer.ledger import TransferTotals
 from router.report import MAX_REPORTED_CONVERSATIONS, ReplicaReport
@@ -40,9 +41,10 @@ class HeldConversations:
 
 def replica_report(replica_id: str, pool: str, stats: EngineStats, transfers: TransferTotals,
                    extra: Mapping[str, float] | None = None,
-                   conversations: tuple[tuple[str, float], ...] = ()) -> ReplicaReport:
+                   conversations: tuple[tuple[str, float], ...] = (), growth: TokenGrowth | None = None) -> ReplicaReport:
     """The report of one replica; `extra`: display-only figures (checkpoint, segment counters);
-    `conversations`: HeldConversations.recent() (decoders only)."""
+    `conversations`: HeldConversations.recent() (decoders only); `growth`: its real-time sessions'
+    tokens (RealtimeSessions.token_growth)."""
     return ReplicaReport(
         replica_id=replica_id,
         pool=pool,
@@ -59,4 +61,7 @@ def replica_report(replica_id: str, pool: str, stats: EngineStats, transfers: Tr
         kv_transfers_offered=transfers.requests_offered,
         extra=tuple((extra or {}).items()),
         conversations=conversations,
+        retained_tokens=growth.retained_tokens if growth else 0,
+        offered_growth_tokens_per_s=growth.offered_tokens_per_s if growth else 0.0,
+        served_growth_tokens_per_s=growth.served_tokens_per_s if growth else 0.0,
     )

@@ -1,120 +1,125 @@
-"""Metronome cliff predictor, pure: when will an append-forever KV pool saturate?
+"""Metronome cliff predictor, physical and pure: when will a decoder's KV pool run out of tokens?
 
-With N live sessions each appending r of the pool per second, occupancy grows as
-ρ(t) = ρ0 + s·(t − t0) with s = N·r, and the pool saturates (ρ = 1) at
+Between its ticks a real-time session retains KV in the decoder's pool: an unbounded session its
+whole history (the prefix cache keeps every earlier tick), a bounded one nothing (its sink and
+window live on the host and enter the pool only during its tick). Per decoder, from what its
+replica counts (baton/engine/realtime/growth.py):
 
-    t_sat = t0 + (1 − ρ0) / s
+    retained R  = Σ live sessions' retained history tokens; tokens of completed ticks only, so a
+                  tick in flight (its prompt's partial tail block, its reply) is not counted
+    offered g_o = Σ tokens a session appended over its recent ticks ÷ (those ticks × its period)
+    served  g_s = Σ the same tokens ÷ the seconds those ticks really took (measured tokens/s)
+    growth  g   = min(g_o, g_s)       the pool fills no faster than the engine serves the ticks
+    t_sat       = at + (C − R) ÷ g    C: the pool's capacity in tokens
 
-`fit_cliff` fits ρ0 and s by ordinary least squares over (t, ρ) samples, with the fit origin t0
-= the first sample's time (so ρ0 is the fitted occupancy at t0). No forecast (None) with fewer
-than 2 samples (or `min_samples`), with all samples at one time, or with s <= 0 (flat or
-draining pool: no saturation ahead).
+No saturation ahead (eta None) when g = 0 or C is unknown (0); eta 0 when R >= C already.
+Sessions still warming up (one tick so far) count at the others' mean rate (growth.py).
+Counting tokens, not blocks, is what keeps the running ticks' blocks out of R.
 
-`OccupancyTracker` owns a sliding window of recent samples (the last `window_s` seconds), so a
-change in N or r shows up in the forecast once the window has turned over.
-
-Errors against a measured collapse: `prediction_error(predicted, measured) = |p − m| / m`, with
-both as durations from the same origin (e.g. seconds since the ramp began), never epoch times.
+`cliff_admission` turns a forecast into a verdict for a new real-time session: refuse (or warn)
+when the decoder's cliff is closer than `horizon_s` (realtime.cliff in the YAML). The directory
+first places a new real-time session on a decoder whose cliff is not that close, when one is live.
 """
 from __future__ import annotations
 
-import bisect
-from collections.abc import Sequence
+import math
 from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 
 @dataclass(frozen=True)
-class OccupancySample:
-    t: float  # seconds (any clock, as long as it is the one `now` comes from)
-    rho: float  # fraction of the KV pool in use, in [0, 1]
-    sessions: int | None = None  # live sessions N at t, when known
+class DecoderTokens:
+    """What one decoder's replica reports about its real-time sessions' KV, in tokens.
+    Invariant (checked at construction): every figure finite and >= 0."""
+
+    capacity_tokens: int  # tokens the KV pool holds (0 = unknown)
+    retained_tokens: int
+    offered_tokens_per_s: float
+    served_tokens_per_s: float
+
+    def __post_init__(self) -> None:
+        figures = (self.capacity_tokens, self.retained_tokens, self.offered_tokens_per_s, self.served_tokens_per_s)
+        if any(not math.isfinite(x) or x < 0 for x in figures):
+            raise ValueError(f"token figures must be finite and >= 0, got {figures}")
 
 
 @dataclass(frozen=True)
 class CliffForecast:
-    """A fit of ρ(t) = ρ0 + s·(t − t0). t_saturation is absolute (same clock as the samples);
-    eta_s = t_saturation − now (negative: the fit says the pool is already past full)."""
+    """The forecast made at `at` (any clock, as long as `now` comes from the same one)."""
 
-    rho0: float
-    slope_per_s: float  # s = N·r
-    per_session_rate: float | None  # r = s / N (mean N over the samples), None when N unknown or 0
-    t_saturation: float
-    eta_s: float
-    samples: int
-    r2: float  # coefficient of determination of the fit (1.0: the samples lie on the line)
-    t0: float  # the fit origin: the first sample's time
-
-
-def fit_cliff(samples: Sequence[OccupancySample], now: float, *, min_samples: int = 2) -> CliffForecast | None:
-    """Least-squares line through the samples; None when no saturation can be predicted."""
-    n = len(samples)
-    if n < max(2, min_samples):
-        return None
-    t0 = samples[0].t
-    xs = [s.t - t0 for s in samples]
-    ys = [s.rho for s in samples]
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx <= 0:
-        return None
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
-    slope = sxy / sxx
-    if slope <= 0:
-        return None
-    rho0 = my - slope * mx
-    ss_res = sum((y - (rho0 + slope * x)) ** 2 for x, y in zip(xs, ys, strict=True))
-    ss_tot = sum((y - my) ** 2 for y in ys)
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
-    known = [s.sessions for s in samples if s.sessions is not None]
-    mean_n = sum(known) / len(known) if known else 0.0
-    t_sat = t0 + (1.0 - rho0) / slope
-    return CliffForecast(rho0, slope, slope / mean_n if mean_n > 0 else None, t_sat, t_sat - now, n, r2, t0)
-
-
-def prediction_error(predicted: float, measured: float) -> float:
-    """e = |predicted − measured| / measured; both durations from a common origin, measured > 0."""
-    if measured <= 0:
-        raise ValueError(f"measured must be > 0, got {measured}")
-    return abs(predicted - measured) / measured
-
-
-class OccupancyTracker:
-    """Owns the recent (t, ρ, N) samples of one KV pool.
-
-    Invariants (`check_integrity`): samples sorted by time; every ρ in [0, 1]; after `forecast(now)`
-    no sample is older than now − window_s.
-    """
-
-    def __init__(self, window_s: float, min_samples: int = 5) -> None:
-        if window_s <= 0 or min_samples < 2:
-            raise ValueError("need window_s > 0 and min_samples >= 2")
-        self.window_s = window_s
-        self.min_samples = min_samples
-        self._samples: list[OccupancySample] = []
-
-    def add(self, t: float, rho: float, sessions: int | None = None) -> None:
-        if not 0.0 <= rho <= 1.0:
-            raise ValueError(f"occupancy must be in [0, 1], got {rho}")
-        times = [s.t for s in self._samples]
-        self._samples.insert(bisect.bisect_right(times, t), OccupancySample(t, rho, sessions))
-        self._prune(max(t, self._samples[-1].t))
-
-    def forecast(self, now: float) -> CliffForecast | None:
-        self._prune(now)
-        return fit_cliff(self._samples, now, min_samples=self.min_samples)
+    at: float
+    capacity_tokens: int
+    retained_tokens: int
+    growth_tokens_per_s: float  # min(offered, served)
+    capped: bool  # the engine serves less than the sessions offer: growth is the served rate
+    eta_s: float | None  # seconds from `at` until R reaches C; None: not filling or capacity unknown
 
     @property
-    def samples(self) -> tuple[OccupancySample, ...]:
-        return tuple(self._samples)
+    def t_saturation(self) -> float | None:
+        return None if self.eta_s is None else self.at + self.eta_s
 
-    def _prune(self, now: float) -> None:
-        # [ older than now − window_s | kept ... ]
-        cut = bisect.bisect_left([s.t for s in self._samples], now - self.window_s)
-        del self._samples[:cut]
+    def seconds_to(self, fraction: float) -> float | None:
+        """Seconds from `at` until R reaches fraction × C (0 when already there; None: never)."""
+        return _seconds_to(fraction * self.capacity_tokens if self.capacity_tokens > 0 else None, self.retained_tokens,
+                           self.growth_tokens_per_s, fraction)
 
-    def check_integrity(self) -> None:
-        times = [s.t for s in self._samples]
-        if times != sorted(times):
-            raise AssertionError("occupancy samples not sorted by time")
-        if any(not 0.0 <= s.rho <= 1.0 for s in self._samples):
-            raise AssertionError("occupancy outside [0, 1]")
+    def eta_at(self, now: float) -> float | None:
+        """The forecast's seconds to saturation as seen at `now` (>= at), never below 0."""
+        return None if self.eta_s is None else max(0.0, self.eta_s - max(0.0, now - self.at))
+
+
+def forecast_cliff(state: DecoderTokens, at: float) -> CliffForecast:
+    growth = min(state.offered_tokens_per_s, state.served_tokens_per_s)
+    capped = state.served_tokens_per_s < state.offered_tokens_per_s
+    eta = _seconds_to(float(state.capacity_tokens) if state.capacity_tokens > 0 else None, state.retained_tokens, growth, 1.0)
+    return CliffForecast(at, state.capacity_tokens, state.retained_tokens, growth, capped, eta)
+
+
+def _seconds_to(level: float | None, retained: int, growth: float, fraction: float) -> float | None:
+    """Seconds until `retained` grows to `level` tokens at `growth`/s (None: level unknown or no growth)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    if level is None:
+        return None
+    room = level - retained
+    if room <= 0:
+        return 0.0
+    return room / growth if growth > 0 else None
+
+
+class CliffAdmissionConfig(BaseModel):
+    """What a new real-time session meets when its decoder's cliff is near (YAML: realtime.cliff)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    action: Literal["off", "warn", "refuse"] = Field(
+        "warn", description="off: ignore the forecast; warn: admit, log, count it and tell the client in session.started; "
+        "refuse: an error frame `cliff_ahead` with retry_after_s and close 1013")
+    horizon_s: float = Field(30.0, gt=0, description="act when the decoder's KV pool is forecast full within this many seconds")
+    retry_after_s: float = Field(10.0, ge=0, description="retry hint given to a refused client")
+
+
+@dataclass(frozen=True)
+class CliffVerdict:
+    action: Literal["admit", "warn", "refuse"]
+    eta_s: float | None
+    horizon_s: float
+
+    def describe(self) -> str:
+        if self.eta_s is None:
+            return "no KV cliff ahead"
+        return f"the decoder's KV pool is forecast full in {self.eta_s:.1f} s (horizon {self.horizon_s:g} s)"
+
+
+def within_horizon(eta_s: float | None, horizon_s: float) -> bool:
+    """The cliff (eta_s seconds away; None: none ahead) is closer than horizon_s."""
+    return eta_s is not None and eta_s < horizon_s
+
+
+def cliff_admission(eta_s: float | None, cfg: CliffAdmissionConfig) -> CliffVerdict:
+    """admit unless the forecast cliff (eta_s, None: none ahead) is within cfg.horizon_s."""
+    near = within_horizon(eta_s, cfg.horizon_s)
+    action: Literal["admit", "warn", "refuse"] = "admit" if cfg.action == "off" or not near else cfg.action
+    return CliffVerdict(action, eta_s, cfg.horizon_s)

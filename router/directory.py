@@ -15,7 +15,6 @@ from typing import Any
 from ray import serve
 from ray.serve import metrics
 
-from router.cliff import OccupancyTracker
 from router.directory_state import DirectorySettings, DirectoryState
 from router.ownership import KnownOwners, OwnershipStore
 from router.policy import TurnPlan
@@ -24,7 +23,6 @@ from router.report import ReplicaReport
 logger = logging.getLogger("ray.serve")
 
 EXPIRY_PERIOD_S = 5.0
-CLIFF_WINDOW_S = 60.0
 
 
 class ConversationDirectory:
@@ -41,10 +39,14 @@ class ConversationDirectory:
         self._kv_in = metrics.Gauge(
             "baton_decoder_kv_bytes_received", "KV bytes a decode replica pulled over NIXL (its connector's count)", tag_keys=("decoder",))
         self._eta = metrics.Gauge(
-            "baton_decoder_kv_saturation_eta_seconds",
-            "predicted seconds until a decode replica's KV pool is full (fit of rho(t) = rho0 + N r t over the last minute; -1: not filling)",
+            "baton_cliff_eta_seconds",
+            "seconds until a decode replica's KV pool is forecast full: (capacity - retained real-time tokens) / their growth, "
+            "capped at what the engine serves (router/cliff.py); -1: not filling",
             tag_keys=("decoder",))
-        self._trackers: dict[str, OccupancyTracker] = {}
+        self._retained = metrics.Gauge(
+            "baton_cliff_retained_tokens", "KV tokens a decode replica's real-time sessions keep between ticks", tag_keys=("decoder",))
+        self._growth = metrics.Gauge(
+            "baton_cliff_growth_tokens_per_second", "how fast those tokens grow (min of offered and served)", tag_keys=("decoder",))
         self._kv_transfers = metrics.Gauge(
             "baton_decoder_kv_transfers_received", "KV transfers a decode replica completed (its connector's count)", tag_keys=("decoder",))
 
@@ -73,18 +75,20 @@ class ConversationDirectory:
             self._pinned.set(self._state.pinned_counts().get(replica_id, 0), tags=tags)
             self._kv_in.set(float(report.kv_bytes_received), tags=tags)
             self._kv_transfers.set(float(report.kv_transfers_received), tags=tags)
-            now = time.monotonic()
-            tracker = self._trackers.setdefault(replica_id, OccupancyTracker(window_s=CLIFF_WINDOW_S))
-            tracker.add(now, min(1.0, max(0.0, report.kv_resident)))
-            forecast = tracker.forecast(now)
-            self._eta.set(max(0.0, forecast.eta_s) if forecast is not None else -1.0, tags=tags)
+            forecast = self._state.cliff_forecast(replica_id)
+            if forecast is not None:
+                self._eta.set(forecast.eta_s if forecast.eta_s is not None else -1.0, tags=tags)
+                self._retained.set(float(forecast.retained_tokens), tags=tags)
+                self._growth.set(forecast.growth_tokens_per_s, tags=tags)
 
-    async def route(self, session_id: str | None, user: str | None, prompt_tokens: int, *, owned: bool = True) -> TurnPlan:
+    async def route(self, session_id: str | None, user: str | None, prompt_tokens: int, *, owned: bool = True,
+                    cliff_horizon_s: float | None = None) -> TurnPlan:
         """owned=False: a session whose id the server made and whose connection is its only key
-        (a real-time WebSocket): pinned like a conversation, never written to the ownership store."""
+        (a real-time WebSocket): pinned like a conversation, never written to the ownership store.
+        cliff_horizon_s: a new session avoids decoders whose KV cliff is that close (real-time)."""
         self._ensure_expiry()
         before = self._state.totals["conversations"]
-        plan = self._state.route(session_id, user, prompt_tokens, time.monotonic(), owned=owned)
+        plan = self._state.route(session_id, user, prompt_tokens, time.monotonic(), owned=owned, cliff_horizon_s=cliff_horizon_s)
         if self._state.totals["conversations"] > before:
             self._conversations.inc()
         if plan.remote_prefill:

@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from router.cliff import CliffForecast, forecast_cliff, within_horizon
 from router.ownership import Claim, KnownOwners, OwnershipStore
 from router.policy import DISAGGREGATED, NoReplicaAvailable, Policy, TurnPlan, plan_turn
 from router.report import ReplicaReport
@@ -162,17 +163,34 @@ class DirectoryState:
             )
         return loads
 
+    def cliff_forecast(self, replica_id: str) -> CliffForecast | None:
+        """The KV cliff forecast of a decoder from its latest report, made when it arrived."""
+        r = self._replicas.get(replica_id)
+        return forecast_cliff(r.report.decoder_tokens(), r.at) if r is not None and r.report.pool == "decode" else None
+
+    def cliff_eta(self, replica_id: str, now: float) -> float | None:
+        fc = self.cliff_forecast(replica_id)
+        return fc.eta_at(now) if fc is not None else None
+
+    def _away_from_cliff(self, loads: list[ReplicaLoad], now: float, horizon_s: float | None) -> list[ReplicaLoad]:
+        """The decoders whose KV cliff is not within horizon_s (all of them when none is, or no horizon)."""
+        if horizon_s is None:
+            return loads
+        return [d for d in loads if not within_horizon(self.cliff_eta(d.replica_id, now), horizon_s)] or loads
+
     def pinned_counts(self) -> Counter[str]:
         return Counter(p.decoder for p in self._pins.values())
 
     # ---- turns ----------------------------------------------------------------------------
-    def route(self, session_id: str | None, user: str | None, prompt_tokens: int, now: float, *, owned: bool = True) -> TurnPlan:
+    def route(self, session_id: str | None, user: str | None, prompt_tokens: int, now: float, *, owned: bool = True,
+              cliff_horizon_s: float | None = None) -> TurnPlan:
         """Plan a turn and record it: the pin is created (or moved) before the turn runs, so two
         ingress replicas asking at once for one new conversation get the same decoder.
         Ownership is checked (a new session id claimed for `user`) before placement, so a
         NoReplicaAvailable from here means the caller does own the conversation.
         Raises ForeignConversation when the session id belongs to another user. owned=False skips
-        the ownership store (server-made ids of real-time sessions: their connection is the key)."""
+        the ownership store (server-made ids of real-time sessions: their connection is the key).
+        cliff_horizon_s: a new session avoids decoders whose KV cliff is closer than this, while any other is live."""
         s = self.settings
         session_id = session_id or None
         claim = self._owners.claim(session_id, user) if owned and session_id is not None else None
@@ -189,7 +207,7 @@ class DirectoryState:
         plan = plan_turn(
             s.policy,
             pinned=pin.decoder if pin else None,
-            decoders=self._decoder_loads(now),
+            decoders=self._away_from_cliff(self._decoder_loads(now), now, cliff_horizon_s if pin is None else None),
             prompt_tokens=prompt_tokens,
             prefill_available=bool(self.live("prefill", now)) and s.policy in DISAGGREGATED,
             rr_counter=self._rr,
@@ -207,7 +225,7 @@ class DirectoryState:
             plan = replace(plan, turn_index=self._pins[session_id].turns - 1)
         decoders = self.live("decode", now)
         return replace(plan, pool_queueing=bool(decoders) and all(r.num_waiting > 0 for r in decoders),
-                       pool_in_flight=self.pool_in_flight(now))
+                       pool_in_flight=self.pool_in_flight(now), cliff_eta_s=self.cliff_eta(plan.decode_replica, now))
 
     def pool_in_flight(self, now: float) -> int:
         """Requests the live decoders reported serving, plus the turns placed on them since their
@@ -293,7 +311,7 @@ class DirectoryState:
         handoffs = sum(p.handoffs for p in convs)
         replicas = {
             rid: {**r.report.figures(), "pool": r.report.pool, "live": self._is_live(r, now), "pinned": pinned.get(rid, 0),
-                  "age_s": round(now - r.at, 3)}
+                  "age_s": round(now - r.at, 3), "cliff_eta_s": self.cliff_eta(rid, now)}
             for rid, r in self._replicas.items()
         }
         return {

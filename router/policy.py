@@ -43,6 +43,9 @@ class TurnPlan:
     # requests the live engine replicas reported serving, plus the turns placed since their last
     # reports (set by the directory): the pools' concurrency, whichever ingress sent them
     pool_in_flight: int = field(default=0, compare=False)
+    # seconds until decode_replica's KV pool is forecast full (router/cliff.py, set by the
+    # directory); None: not filling, or not known. Real-time admission reads it (realtime.cliff)
+    cliff_eta_s: float | None = field(default=None, compare=False)
 
 
 class NoReplicaAvailable(RuntimeError):

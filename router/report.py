@@ -6,18 +6,26 @@ The same figures, flattened (`figures()`), are what the replica returns to Serve
 `record_routing_stats` (read by router/serve_router.py) and what the directory's snapshot shows
 per replica (/baton/stats).
 
+The token figures (`retained_tokens`, `offered_growth_tokens_per_s`, `served_growth_tokens_per_s`)
+are what the cliff predictor (router/cliff.py) reads: the real-time sessions' retained history and
+how fast it grows (baton/engine/realtime/growth.py).
+
 `conversations` is how a restarted directory gets its pins back: the conversations whose KV the
 replica holds (it served a turn of them lately), with how long each has been idle there."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
+
+from router.cliff import DecoderTokens
 
 POOLS = ("prefill", "decode")
 MAX_REPORTED_CONVERSATIONS = 4096  # the most recent conversations one report lists
 _NOT_FIGURES = frozenset({"replica_id", "pool", "extra", "conversations"})
 _COUNTS = ("kv_capacity_tokens", "num_running", "num_waiting", "pending_prefill_tokens", "in_flight",
-           "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfers_offered")
+           "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfers_offered", "retained_tokens")
+_RATES = ("offered_growth_tokens_per_s", "served_growth_tokens_per_s")
 
 
 @dataclass(frozen=True)
@@ -26,7 +34,7 @@ class ReplicaReport:
 
     extra: display-only figures (name, value) such as checkpoint or segment counters; shown in the
     snapshot, never used for placement. Invariants (checked at construction): a known pool,
-    no negative fraction or count, extra names distinct and not shadowing a field.
+    no negative fraction or count, finite token rates, extra names distinct and not shadowing a field.
 
     conversations: (session id, seconds since this replica last served a turn of it), most
     recent first, at most MAX_REPORTED_CONVERSATIONS, ids non-empty and distinct, idle >= 0.
@@ -45,15 +53,18 @@ class ReplicaReport:
     kv_bytes_received: int = 0
     kv_transfer_failures: int = 0
     kv_transfers_offered: int = 0  # KV handoffs this replica produced for a decoder
+    retained_tokens: int = 0  # KV tokens its real-time sessions keep in the pool between ticks
+    offered_growth_tokens_per_s: float = 0.0  # how fast those sessions append tokens (their tick periods)
+    served_growth_tokens_per_s: float = 0.0  # how fast the engine really got through their ticks
     extra: tuple[tuple[str, float], ...] = ()
     conversations: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.pool not in POOLS:
             raise ValueError(f"unknown pool {self.pool!r} in the report of {self.replica_id}")
-        negative = [name for name in ("kv_usage", "kv_resident", *_COUNTS) if getattr(self, name) < 0]
-        if negative:
-            raise ValueError(f"negative figures {negative} in the report of {self.replica_id}")
+        negative = [name for name in ("kv_usage", "kv_resident", *_COUNTS, *_RATES) if not getattr(self, name) >= 0]
+        if negative or not all(math.isfinite(getattr(self, name)) for name in _RATES):
+            raise ValueError(f"negative (or non-finite) figures {negative or list(_RATES)} in the report of {self.replica_id}")
         names = [name for name, _ in self.extra]
         own = {f.name for f in fields(self)}
         if len(set(names)) != len(names) or own & set(names):
@@ -63,6 +74,11 @@ class ReplicaReport:
             raise ValueError(f"{len(held)} conversations in the report of {self.replica_id} (at most {MAX_REPORTED_CONVERSATIONS})")
         if len(set(held)) != len(held) or not all(held) or any(idle < 0 for _, idle in self.conversations):
             raise ValueError(f"conversations in the report of {self.replica_id} must be distinct non-empty ids with idle >= 0")
+
+    def decoder_tokens(self) -> DecoderTokens:
+        """The token figures the cliff predictor reads (router/cliff.py)."""
+        return DecoderTokens(self.kv_capacity_tokens, self.retained_tokens, self.offered_growth_tokens_per_s,
+                             self.served_growth_tokens_per_s)
 
     def figures(self) -> dict[str, Any]:
         """The flat figures: every field but replica_id, pool, extra and conversations, then the extra figures."""

@@ -80,3 +80,49 @@ def simulate(
                 controller.observe(latency, t)
         out.append(SimStep(t, offered, live, controller.cap, latency, decision))
     return SimulationTrace(tuple(out))
+
+
+# ---- the AIMD bench's load shape ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadStep:
+    start_s: float
+    sessions: int  # sessions offered from start_s on
+
+
+@dataclass(frozen=True)
+class LoadSchedule:
+    """Offered sessions over time, a step function. Invariant (checked): steps start at 0, in
+    strictly increasing order, with sessions >= 0."""
+
+    steps: tuple[LoadStep, ...]
+
+    def __post_init__(self) -> None:
+        starts = [s.start_s for s in self.steps]
+        if not starts or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:], strict=False)) or any(s.sessions < 0 for s in self.steps):
+            raise ValueError(f"a load schedule starts at 0 and rises strictly in time, got {self.steps}")
+
+    def offered(self, t: float) -> int:
+        return next(s.sessions for s in reversed(self.steps) if s.start_s <= t) if t >= 0 else self.steps[0].sessions
+
+    def peak(self) -> int:
+        return max(s.sessions for s in self.steps)
+
+
+def step_schedule(low: int, high: int, length_s: float, up_at: float = 0.3, down_at: float = 0.7) -> LoadSchedule:
+    """`low` sessions, a step up to `high` at up_at·length_s and back down to `low` at down_at·length_s:
+    the low parts let the cap climb (additive increase), the high part drives latency over target
+    (the ×factor decrease) and the step down shows the recovery."""
+    if not 0 < up_at < down_at < 1 or not 0 <= low < high or length_s <= 0:
+        raise ValueError("need 0 < up_at < down_at < 1, 0 <= low < high and length_s > 0")
+    return LoadSchedule((LoadStep(0.0, low), LoadStep(up_at * length_s, high), LoadStep(down_at * length_s, low)))
+
+
+def ticks_to_fill(window_tokens: int, sink_tokens: int, preamble_tokens: int, tokens_per_tick: float) -> int:
+    """Ticks a bounded session needs before its window is full (and its per-tick work is at its
+    constant maximum): the preamble past the sink, then tokens_per_tick a tick, must reach W."""
+    if tokens_per_tick <= 0:
+        raise ValueError("tokens_per_tick must be > 0")
+    rest = window_tokens - max(0, preamble_tokens - sink_tokens)
+    return max(1, math.ceil(rest / tokens_per_tick)) if rest > 0 else 1

@@ -13,6 +13,10 @@ its onset is the deadline of the first tick of the first such run (the earliest 
 could see it). The client records every tick it sent, missing ones included, once that tick's
 deadline has passed; so a session's seqs are contiguous (`check_integrity`).
 
+The engine-wide **collapse onset** (`collapse_onset`, what the cliff predictor is scored against)
+reads the latency series of all sessions together: the deadline of the first of K consecutive
+late-or-missing ticks in scheduled-send order.
+
 The naive view is what a server-side counter reports: ticks it served without error, its error
 count, and deadline misses only where its own timing (`server_s`, receive -> last token) exceeded
 the tick budget (deadline_at - sent_at). Queueing before the replica, transport, ticks that never
@@ -206,3 +210,22 @@ def summarize(ledgers: Iterable[SessionLedger], consecutive: int = DEFAULT_CONSE
         naive_deadline_misses=sum(n.deadline_misses for n in naives),
         earliest_collapse_onset=min(onsets, default=None),
     )
+
+
+def collapse_onset(outcomes: Iterable[TickOutcome], consecutive: int = DEFAULT_CONSECUTIVE) -> float | None:
+    """Collapse onset of a whole engine from its tick-latency series: every tick of every session,
+    ordered by scheduled send (sent_at, then seq); a tick is late when its reply is missing or came
+    after its deadline (lateness > 0; an empty but timely reply is not late). The onset is the
+    deadline of the first tick of the first run of `consecutive` late ticks in that order — the
+    moment the engine as a whole stopped keeping time. None: no such run."""
+    if consecutive < 1:
+        raise ValueError("consecutive must be >= 1")
+    run, first = 0, None
+    for o in sorted(outcomes, key=lambda o: (o.sent_at, o.seq)):
+        if classify(o) in ("late", "missing"):
+            run, first = run + 1, (first if first is not None else o)
+            if run >= consecutive:
+                return first.deadline_at
+        else:
+            run, first = 0, None
+    return None

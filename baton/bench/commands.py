@@ -24,6 +24,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("bench", help="run a benchmark: prints figures, writes JSON + PNG, ends with a RESULT line")
     p.add_argument("name", choices=sorted(BENCHMARKS))
     p.add_argument("--quick", action="store_true", help="the same code on a smaller workload (<= 10 min here)")
+    p.add_argument("--offline", action="store_true", help="checkpoints only: the simulator part, no engine")
     p.add_argument("--out", type=Path, default=None, help="output dir (default ./runs/bench-<name>-<timestamp>, relative to where you run it)")
     p.set_defaults(func=run_bench)
 
@@ -33,5 +34,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
     # resolved here, once: benches hand paths to `serve run`, whose working directory is the checkout
     out = (args.out or Path("runs") / f"bench-{args.name}-{dt.datetime.now():%Y%m%d-%H%M%S}").resolve()
-    importlib.import_module(BENCHMARKS[args.name]).run(quick=args.quick, out_dir=out)
+    extra = {}
+    if getattr(args, "offline", False):
+        if args.name != "checkpoints":
+            raise SystemExit("--offline is only for `baton bench checkpoints`")
+        extra["offline"] = True
+    importlib.import_module(BENCHMARKS[args.name]).run(quick=args.quick, out_dir=out, **extra)
     return 0

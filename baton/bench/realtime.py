@@ -3,8 +3,9 @@
 Real components only, in this process: one vLLM engine per mode (SmolLM2 on CPU with the segment
 connector, baton/engine/runner.py) with a deliberately small KV pool, fresh for each mode so the modes
 share no cache state; the replica's session manager (baton/engine/realtime/manager.py); the client-side
-ledgers (baton/bench/collapse.py); the cliff fit (router/cliff.py) and the AIMD controller
-(router/admission.py).
+ledgers (baton/bench/collapse.py); the token cliff predictor (router/cliff.py, fed by the manager's
+token counts as a replica's report is) with its scoring (baton/bench/cliff_score.py) and the AIMD
+controller (router/admission.py).
 
 Workload: `sessions` long sessions per mode, one opening every `start_every_s` (a ramp), each a
 client task that sends one LoCoMo dialog turn (tokenized with the model's tokenizer) every tick
@@ -21,15 +22,23 @@ Definitions (reported as measured, nothing simulated):
   (each session has its own cache salt, so every cached block is some session's history while no
   session has ended). Bounded: blocks in use only — its per-tick salts make every cached block
   single-use, dead KV that vLLM evicts on demand (reported as `cached_blocks`, not in ρ).
-- cliff: ρ(t) = ρ0 + N·r·t fitted (router.cliff.OccupancyTracker, a FIT_WINDOW_S sliding window)
-  at the last sample with ρ < FIT_RHO; the predicted saturation is when the line reaches SAT_RHO,
-  the measured one the first sample with ρ >= SAT_RHO; e = |predicted − measured| / measured, both
-  in seconds since the phase (ramp) began. Compared with the first collapse onset as well.
-- AIMD (bounded engine, after its ramp): 2 × N_sust clients (N_sust = the largest live-session
-  bucket whose ramp p99 ≤ target, all smaller buckets too) ask `can_admit(live)`, refused ones
-  retry after `retry_after_s`; every tick latency is observed (a missing tick as a miss) and
-  `update(now, live)` runs every SAMPLE_S. a = p99 of the admitted sessions' ticks in the steady
-  half / target (a missing tick is +inf).
+- cliff: every SAMPLE_S the predictor forecasts from the sessions' token counts (retained history,
+  growth = min(offered, served); RealtimeSessions.token_growth) the seconds until retained tokens
+  reach SAT_RHO of the pool's capacity. Measured saturation t_sat: the first sample with ρ >= SAT_RHO.
+  Collapse onset: collapse.collapse_onset — the deadline of the first of DEFAULT_CONSECUTIVE (3)
+  consecutive late-or-missing ticks of the engine, all sessions' ticks in scheduled-send order.
+  Scored (cliff_score.score_cliff) at fits 25 / 50 / 75 % of the way from the first live sample to
+  t_sat: e = |t̂ − t_sat| / (t_sat − t_fit) (and the same against the onset); `error` is the median
+  of e over the fit points (RESULT cliff_prediction_error), `error_vs_onset` the onset's.
+- AIMD (bounded engine, after its ramp): offered load follows a step schedule
+  (admission_sim.step_schedule): N_sust sessions (the largest live-session bucket whose ramp p99
+  ≤ target, all smaller buckets too), 2 × N_sust from 30 % of the phase, N_sust again from 70 %;
+  the cap starts at N_sust // 2 so the low part shows the additive increase and the high part the
+  ×0.7 decrease. Sessions last long enough to fill their window (admission_sim.ticks_to_fill, + 2
+  ticks). Clients ask `can_admit(live)`, refused ones retry after `retry_after_s`; every tick
+  latency is observed (a missing tick as a miss) and `update(now, live)` runs every SAMPLE_S; the
+  decisions are logged (`caps`) and counted (RESULT aimd_decreases = decisions that decreased the
+  cap). a = p99 of the admitted sessions' ticks in the second half / target (a missing tick is +inf).
 """
 from __future__ import annotations
 
@@ -43,23 +52,25 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from baton.bench.admission_sim import step_schedule, ticks_to_fill
+from baton.bench.cliff_score import FIT_FRACTIONS, ForecastSample, score_cliff
 from baton.bench.collapse import (
     DEFAULT_CONSECUTIVE,
     SessionLedger,
     TickOutcome,
+    collapse_onset,
     is_miss,
     summarize,
 )
 from baton.paths import REPO_ROOT
-from router.cliff import OccupancyTracker, prediction_error
+from router.cliff import DecoderTokens, forecast_cliff
 
 ROOT = REPO_ROOT
 LOCOMO = ROOT.parent / "shared" / "data" / "locomo"
 PREAMBLE = "You are listening to a live conversation between two friends. After each line, reply with one short comment.\n"
 SAMPLE_S = 0.5
-FIT_RHO = 0.70
 SAT_RHO = 0.97
-FIT_WINDOW_S = 20.0
+AIMD_STEP_UP = 2  # the high part of the AIMD schedule offers this many times N_sust
 BUCKET = 4  # live-session buckets of the latency curve: 1-4, 5-8, ...
 
 
@@ -78,7 +89,7 @@ class Workload:
     grace_s: float  # unanswered this long after a session's last deadline: cancelled, missing
     target_p99_ms: float  # AIMD target
     aimd_s: float  # AIMD phase length
-    aimd_ticks: int  # ticks per AIMD session
+    aimd_ticks: int  # ticks per AIMD session, at least (more when the window needs more to fill)
 
 
 # P = D = 8 s, 4 reply tokens: a probe of 20 bounded sessions ticking together at P = 2 s with 8
@@ -91,7 +102,7 @@ class Workload:
 # (~145 s) to tell a collapse from a slow patch.
 QUICK = Workload(sessions=20, ticks=18, start_every_s=1.5, period_s=8.0, deadline_s=8.0, sink_tokens=16,
                  window_tokens=256, max_tokens=4, kv_cache_gib=0.15, max_model_len=4096, grace_s=4.0,
-                 target_p99_ms=4000.0, aimd_s=100.0, aimd_ticks=5)
+                 target_p99_ms=4000.0, aimd_s=200.0, aimd_ticks=8)
 FULL = Workload(sessions=20, ticks=40, start_every_s=3.0, period_s=8.0, deadline_s=8.0, sink_tokens=16,
                 window_tokens=256, max_tokens=4, kv_cache_gib=0.4, max_model_len=8192, grace_s=4.0,
                 target_p99_ms=4000.0, aimd_s=300.0, aimd_ticks=10)
@@ -172,7 +183,8 @@ class _Phase:
         wl = self.wl
         if start_at > self.now():
             await asyncio.sleep(start_at - self.now())
-        self.sessions.open(RealtimeOpen(sid, self.mode, self.preamble, wl.sink_tokens, wl.window_tokens, wl.max_tokens))  # type: ignore[arg-type]
+        self.sessions.open(RealtimeOpen(sid, self.mode, self.preamble, wl.sink_tokens, wl.window_tokens, wl.max_tokens,  # type: ignore[arg-type]
+                                        tick_s=wl.period_s))
         self.live += 1
         ledger = SessionLedger(sid)
         self.ledgers.append(ledger)
@@ -237,7 +249,14 @@ class _Phase:
                 elif b.block_hash is not None:
                     held += 1
             rho = (held if self.mode == "unbounded" else in_use) / usable
+            g = self.sessions.token_growth(time.monotonic())
+            capacity = self.runner.stats.kv_capacity_tokens
+            fc = forecast_cliff(DecoderTokens(capacity, g.retained_tokens, g.offered_tokens_per_s, g.served_tokens_per_s), self.now())
             self.pool.append({"t": self.now(), "live": self.live, "rho": min(1.0, rho), "in_use_blocks": in_use,
+                              "retained_tokens": g.retained_tokens, "capacity_tokens": capacity,
+                              "offered_tokens_per_s": g.offered_tokens_per_s, "served_tokens_per_s": g.served_tokens_per_s,
+                              "growth_tokens_per_s": fc.growth_tokens_per_s, "growth_capped": fc.capped,
+                              "growing_sessions": g.growing_sessions, "eta_s": fc.eta_s, "eta_sat_s": fc.seconds_to(SAT_RHO),
                               "cached_blocks": len(bp.cached_block_hash_to_block), "held_blocks": held,
                               "usable_blocks": usable, "kv_usage": self.runner.stats.kv_usage,
                               "loadavg_1m": os.getloadavg()[0]})
@@ -293,32 +312,30 @@ def sustainable(curve: Sequence[dict[str, Any]], target_s: float) -> int:
     return n
 
 
-def cliff(pool: Sequence[dict[str, Any]], first_collapse: float | None) -> dict[str, Any]:
-    """Fit at the last sample below FIT_RHO (sliding window), predict the time ρ reaches SAT_RHO."""
-    tracker = OccupancyTracker(window_s=FIT_WINDOW_S, min_samples=5)
-    fit_at = None
-    for s in pool:
-        if s["rho"] >= FIT_RHO:
-            break
-        if s["live"] > 0 and s["rho"] > 0:
-            tracker.add(s["t"], s["rho"], s["live"])
-            fit_at = s["t"]
+def cliff(pool: Sequence[dict[str, Any]], outcomes: Sequence[TickOutcome], first_collapse: float | None) -> dict[str, Any]:
+    """Score the token predictor's forecasts (seconds to SAT_RHO of the pool) against the measured
+    saturation (first sample with ρ >= SAT_RHO) and the engine's collapse onset."""
     measured = next((s["t"] for s in pool if s["rho"] >= SAT_RHO), None)
-    fc = tracker.forecast(fit_at) if fit_at is not None else None
-    res: dict[str, Any] = {"fit_rho_below": FIT_RHO, "saturation_rho": SAT_RHO, "fit_window_s": FIT_WINDOW_S,
-                           "fit_at_s": fit_at, "measured_saturation_s": measured, "first_collapse_s": first_collapse,
-                           "fit": None, "predicted_saturation_s": None, "error": None, "error_vs_collapse": None}
-    if fc is None:
-        return res
-    predicted = fc.t0 + (SAT_RHO - fc.rho0) / fc.slope_per_s
-    res.update(fit={"rho0": fc.rho0, "t0_s": fc.t0, "slope_per_s": fc.slope_per_s, "per_session_rate": fc.per_session_rate,
-                    "samples": fc.samples, "r2": fc.r2, "t_rho1_s": fc.t_saturation},
-               predicted_saturation_s=predicted)
-    if measured:
-        res["error"] = prediction_error(predicted, measured)
-    if first_collapse:
-        res["error_vs_collapse"] = prediction_error(predicted, first_collapse)
-    return res
+    start = next((s["t"] for s in pool if s["live"] > 0), None)
+    onset = collapse_onset(outcomes)
+    samples = [ForecastSample(s["t"], s["eta_sat_s"]) for s in pool if s["live"] > 0]
+    score = score_cliff(samples, start=start, saturation=measured, onset=onset)
+    capped = [s for s in pool if s["live"] > 0 and measured is not None and s["t"] < measured]
+    return {"predictor": "tokens: (SAT_RHO x capacity - retained) / min(offered, served)", "saturation_rho": SAT_RHO,
+            "fit_fractions": list(FIT_FRACTIONS), "measured_saturation_s": measured, "onset_s": onset,
+            "onset_rule": f"deadline of the first of {DEFAULT_CONSECUTIVE} consecutive late or missing ticks, all sessions in send order",
+            "first_session_collapse_s": first_collapse, "start_s": start, "forecasts": score.samples,
+            "capped_share": sum(s["growth_capped"] for s in capped) / len(capped) if capped else None,
+            "points": [{**asdict(p), "at_fit": _at_fit(pool, p.t_fit)} for p in score.points],
+            "error": score.horizon_error, "error_vs_onset": score.onset_error}
+
+
+def _at_fit(pool: Sequence[dict[str, Any]], t_fit: float | None) -> dict[str, Any] | None:
+    """What the predictor saw at a fit point (the pool sample of that time), to explain its error."""
+    s = next((s for s in pool if s["t"] == t_fit), None)
+    keys = ("live", "growing_sessions", "retained_tokens", "offered_tokens_per_s", "served_tokens_per_s", "growth_tokens_per_s",
+            "growth_capped", "rho")
+    return {k: s[k] for k in keys} if s is not None else None
 
 
 def mode_report(phase: _Phase) -> dict[str, Any]:
@@ -363,7 +380,7 @@ async def _ramp(runner: Any, mode: str, wl: Workload, preamble: tuple[int, ...],
     await sampler
     rep = mode_report(phase)
     rep["wall_s"] = phase.now()
-    rep["cliff"] = cliff(phase.pool, rep["first_collapse_s"])
+    rep["cliff"] = cliff(phase.pool, [o for led in phase.ledgers for o in led.outcomes()], rep["first_collapse_s"])
     return rep
 
 
@@ -371,28 +388,37 @@ async def _aimd(runner: Any, wl: Workload, preamble: tuple[int, ...], chunks: li
     from router.admission import AdmissionConfig, AIMDController
 
     # window and min_samples sized so that even a cap of 1 (one tick per P) can be evaluated
-    cfg = AdmissionConfig(target_p99_ms=wl.target_p99_ms, initial_cap=n_sust, max_cap=4 * n_sust,
+    cfg = AdmissionConfig(target_p99_ms=wl.target_p99_ms, initial_cap=max(1, n_sust // 2), max_cap=4 * n_sust,
                           control_period_s=wl.period_s, window_s=6 * wl.period_s, min_samples=5, retry_after_s=wl.period_s)
     ctl = AIMDController(cfg, now=0.0)
     phase = _Phase(runner, "bounded", wl, preamble, controller=ctl)
-    offered = 2 * n_sust
+    schedule = step_schedule(n_sust, AIMD_STEP_UP * n_sust, wl.aimd_s)
+    per_tick = sum(len(c) for src in chunks for c in src) / max(1, sum(len(src) for src in chunks)) + wl.max_tokens
+    fill = ticks_to_fill(wl.window_tokens, wl.sink_tokens, len(preamble), per_tick)
+    n_ticks = max(wl.aimd_ticks, fill + 2)
     refusals = 0
     caps: list[dict[str, Any]] = []
     done = asyncio.Event()
 
     async def client(c: int) -> None:
         nonlocal refusals
-        await asyncio.sleep(c * wl.period_s / 4)  # arrivals spread over the first seconds
-        k = 0
+        k, was_on = 0, False
         while phase.now() < wl.aimd_s:
+            if c >= schedule.offered(phase.now()):  # this client is not part of the load now
+                was_on = False
+                await asyncio.sleep(SAMPLE_S)
+                continue
+            if not was_on:  # arrivals of one step spread over a tick period
+                was_on = True
+                await asyncio.sleep((c % 8) * wl.period_s / 8)
             adm = ctl.can_admit(phase.live)
             if not adm.admitted:
                 refusals += 1
                 await asyncio.sleep(adm.retry_after_s or wl.period_s)
                 continue
-            src = chunks[(c + k * offered) % len(chunks)]
-            off = (k * wl.aimd_ticks) % max(1, len(src) - wl.aimd_ticks)
-            await phase.session(f"aimd-{c}-{k}", phase.now(), src[off: off + wl.aimd_ticks], stop_at=wl.aimd_s)
+            src = chunks[(c + k * schedule.peak()) % len(chunks)]
+            off = (k * n_ticks) % max(1, len(src) - n_ticks)
+            await phase.session(f"aimd-{c}-{k}", phase.now(), src[off: off + n_ticks], stop_at=wl.aimd_s)
             k += 1
 
     async def control() -> None:
@@ -406,7 +432,7 @@ async def _aimd(runner: Any, wl: Workload, preamble: tuple[int, ...], chunks: li
                 pass
 
     controller = asyncio.create_task(control())
-    await asyncio.gather(*(client(c) for c in range(offered)))
+    await asyncio.gather(*(client(c) for c in range(schedule.peak())))
     done.set()
     await controller
     steady_from = wl.aimd_s / 2
@@ -418,7 +444,9 @@ async def _aimd(runner: Any, wl: Workload, preamble: tuple[int, ...], chunks: li
     loads = [c["loadavg_1m"] for c in caps]
     return {"config": cfg.model_dump(), "cpu": {"cores_used": cpu_s / max(1e-9, phase.now()),
                                                 "loadavg_1m_mean": sum(loads) / max(1, len(loads))},
-                "sustainable_sessions": n_sust, "offered_sessions": offered,
+                "sustainable_sessions": n_sust, "offered_sessions": schedule.peak(),
+            "schedule": [asdict(st) for st in schedule.steps], "session_ticks": n_ticks, "ticks_to_fill_window": fill,
+            "decreases": sum(c["action"] == "decrease" for c in caps), "increases": sum(c["action"] == "increase" for c in caps),
             "refusals": refusals, "admitted_sessions": len(phase.ledgers), "steady_from_s": steady_from,
             "steady_ticks": len(steady), "steady_p99_s": _finite(p99),
             "steady_p99_replied_s": _p99([t.latency_s for t in steady if t.latency_s is not None]),
@@ -459,7 +487,7 @@ async def _main(quick: bool, out_dir: Path) -> dict[str, Any]:
             if mode == "bounded":
                 n_sust = sustainable(modes[mode]["latency_by_live"], wl.target_p99_ms / 1000) or 1
                 print(f"[realtime] AIMD: sustainable N = {n_sust} (bounded ramp p99 <= {wl.target_p99_ms:.0f} ms); "
-                      f"offering {2 * n_sust} sessions for {wl.aimd_s:.0f}s", flush=True)
+                      f"offering {n_sust} -> {AIMD_STEP_UP * n_sust} -> {n_sust} sessions over {wl.aimd_s:.0f}s", flush=True)
                 aimd = await _aimd(runner, wl, preamble, chunks, n_sust)
         finally:
             runner.shutdown()
@@ -467,7 +495,7 @@ async def _main(quick: bool, out_dir: Path) -> dict[str, Any]:
     e = modes["unbounded"]["cliff"]["error"]
     a = aimd.get("p99_over_target")
     result = {"bounded_collapsed": modes["bounded"]["collapsed"], "unbounded_collapsed": modes["unbounded"]["collapsed"],
-              "cliff_prediction_error": e, "aimd_p99_over_target": a}
+              "cliff_prediction_error": e, "aimd_p99_over_target": a, "aimd_decreases": aimd.get("decreases")}
     report = {"quick": quick, "workload": asdict(wl), "modes": modes, "aimd": aimd, "result": result,
               "wall_s": time.perf_counter() - t_start}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -501,7 +529,8 @@ def _print_mode(mode: str, r: dict[str, Any]) -> None:
           f"{r['truth']['misses']} (late {r['truth']['late']}, empty {r['truth']['empty']}, missing {r['truth']['missing']}); "
           f"naive: {r['naive']['ticks_served']} served, {r['naive']['errors']} errors, {r['naive']['deadline_misses']} "
           f"deadline misses; p99 {_ms(r['p99_s'])} ms; peak ρ {r['peak_rho']:.2f}; saturation "
-          f"{_num(c['measured_saturation_s'], 1)} s, first collapse {_num(r['first_collapse_s'], 1)} s; this process used "
+          f"{_num(c['measured_saturation_s'], 1)} s, collapse onset {_num(c['onset_s'], 1)} s, first session collapse "
+          f"{_num(r['first_collapse_s'], 1)} s; this process used "
           f"{r['cpu']['cores_used']:.2f} cores at load average {r['cpu']['loadavg_1m_mean']:.1f} (max {r['cpu']['loadavg_1m_max']:.1f})",
           flush=True)
 
@@ -525,17 +554,17 @@ def _print_summary(modes: dict[str, Any], aimd: dict[str, Any], wl: Workload) ->
     for k, v in rows.items():
         print(f"{k:<8}" + "".join(f"{v.get(m, '-'):>30}" for m in modes))
     c = modes["unbounded"]["cliff"]
-    if c["fit"]:
-        f = c["fit"]
-        print(f"\n[realtime] cliff (unbounded): fit at t={c['fit_at_s']:.1f}s over {f['samples']} samples: ρ0={f['rho0']:.3f} "
-              f"at t0={f['t0_s']:.1f}s, N·r={f['slope_per_s']:.4f}/s, r={f['per_session_rate'] or float('nan'):.5f}/s/session, "
-              f"R²={f['r2']:.3f}; predicted ρ≥{SAT_RHO} at {c['predicted_saturation_s']:.1f}s, measured "
-              f"{_num(c['measured_saturation_s'], 1)}s -> e={_num(c['error'])}; first collapse {_num(c['first_collapse_s'], 1)}s "
-              f"-> e_vs_collapse={_num(c['error_vs_collapse'])}")
-    else:
-        print(f"\n[realtime] cliff (unbounded): no fit (measured saturation {c['measured_saturation_s']})")
+    print(f"\n[realtime] cliff (unbounded, token predictor): measured ρ≥{SAT_RHO} at {_num(c['measured_saturation_s'], 1)}s, "
+          f"collapse onset {_num(c['onset_s'], 1)}s, {c['forecasts']} forecasts, growth capped at the served rate in "
+          f"{_num(c['capped_share'], 2)} of them")
+    for p in c["points"]:
+        print(f"  fit {100 * p['fraction']:.0f}%: at {_num(p['t_fit'], 1)}s predicted {_num(p['predicted_s'], 1)}s -> "
+              f"e={_num(p['horizon_error'])}, e_vs_onset={_num(p['onset_error'])}")
+    print(f"  median: e={_num(c['error'])}, e_vs_onset={_num(c['error_vs_onset'])}")
     if aimd:
-        print(f"[realtime] AIMD: target {wl.target_p99_ms:.0f} ms, offered {aimd['offered_sessions']} (2 x {aimd['sustainable_sessions']}); "
+        print(f"[realtime] AIMD: target {wl.target_p99_ms:.0f} ms, offered {aimd['sustainable_sessions']} -> {aimd['offered_sessions']} "
+              f"-> {aimd['sustainable_sessions']} in sessions of {aimd['session_ticks']} ticks; {aimd['increases']} increases, "
+              f"{aimd['decreases']} decreases; "
               f"{aimd['admitted_sessions']} sessions admitted, {aimd['refusals']} refusals; steady cap {aimd['steady_cap_mean']:.1f} "
               f"(range {aimd['steady_cap_range']}), live {aimd['steady_live_mean']:.1f}; steady p99 {_ms(aimd['steady_p99_s'])} ms "
               f"over {aimd['steady_ticks']} ticks (misses {100 * aimd['steady_miss_share']:.1f}%), a = {_num(aimd['p99_over_target'])}; "
@@ -566,18 +595,17 @@ def _plot(modes: dict[str, Any], aimd: dict[str, Any], wl: Workload, out_dir: Pa
     fig, axes = plt.subplots(1, len(modes), figsize=(11, 4), sharey=True)
     for ax, (m, r) in zip(axes, modes.items(), strict=True):
         occ = r["occupancy"]
-        ax.plot([p["t"] for p in occ], [p["rho"] for p in occ], label="ρ")
+        ax.plot([p["t"] for p in occ], [p["rho"] for p in occ], label="ρ (blocks)")
+        ax.plot([p["t"] for p in occ], [p["retained_tokens"] / max(1, p["capacity_tokens"]) for p in occ], label="retained tokens / C")
         ax.plot([p["t"] for p in occ], [p["live"] / wl.sessions for p in occ], alpha=0.5, label=f"live / {wl.sessions}")
         c = r["cliff"]
-        if c["fit"] and m == "unbounded":
-            f = c["fit"]
-            t1 = c["predicted_saturation_s"]
-            ax.plot([f["t0_s"], t1], [f["rho0"], f["rho0"] + f["slope_per_s"] * (t1 - f["t0_s"])], "k--", label="fit ρ0+N·r·t")
-            ax.axvline(t1, color="k", ls=":", label=f"predicted {t1:.0f}s")
+        for pt in c["points"] if m == "unbounded" else ():
+            if pt["predicted_s"] is not None:
+                ax.axvline(pt["predicted_s"], color="k", ls=":", lw=0.8, label=f"predicted at {100 * pt['fraction']:.0f}%")
         if c["measured_saturation_s"] is not None:
             ax.axvline(c["measured_saturation_s"], color="r", ls=":", label=f"measured {c['measured_saturation_s']:.0f}s")
-        if r["first_collapse_s"] is not None:
-            ax.axvline(r["first_collapse_s"], color="m", ls="-.", label=f"1st collapse {r['first_collapse_s']:.0f}s")
+        if c["onset_s"] is not None:
+            ax.axvline(c["onset_s"], color="m", ls="-.", label=f"collapse onset {c['onset_s']:.0f}s")
         ax.set_title(f"{m}: {r['collapsed']}/{r['sessions']} collapsed")
         ax.set_xlabel("s since ramp start")
         ax.legend(fontsize=7)
@@ -599,7 +627,9 @@ def _plot(modes: dict[str, Any], aimd: dict[str, Any], wl: Workload, out_dir: Pa
         ax2.set_ylabel("window p99 (ms)")
         ax.set_xlabel("s")
         ax.set_ylabel("sessions")
-        ax.set_title(f"AIMD at {aimd['offered_sessions']} offered: a = {_num(aimd['p99_over_target'])}")
+        ax.step([st["start_s"] for st in aimd["schedule"]] + [wl.aimd_s], [st["sessions"] for st in aimd["schedule"]]
+                + [aimd["schedule"][-1]["sessions"]], where="post", color="grey", ls="--", label="offered")
+        ax.set_title(f"AIMD, {aimd['increases']} increases / {aimd['decreases']} decreases: a = {_num(aimd['p99_over_target'])}")
         ax.legend(loc="upper left", fontsize=7)
         fig.tight_layout()
         fig.savefig(out_dir / "realtime_aimd.png", dpi=120)

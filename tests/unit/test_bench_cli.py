@@ -36,3 +36,18 @@ def test_out_dir_is_absolute_and_relative_to_the_caller(recorded: list[Path], tm
         assert got == tmp_path / out
     else:
         assert got.parent == tmp_path / "runs" and got.name.startswith("bench-fake-")
+
+
+def test_offline_reaches_only_the_checkpoints_bench(recorded: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict] = []
+    fake = types.ModuleType("fake_checkpoints")
+    fake.run = lambda quick, out_dir, **kw: calls.append(kw)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_checkpoints", fake)
+    monkeypatch.setitem(commands.BENCHMARKS, "checkpoints", "fake_checkpoints")
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["bench", "checkpoints", "--quick", "--offline"])
+    assert args.func(args) == 0 and calls == [{"offline": True}]
+    args = build_parser().parse_args(["bench", "fake", "--offline"])
+    with pytest.raises(SystemExit):
+        args.func(args)
+    assert not recorded

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -174,3 +175,21 @@ def test_close_codes_map_to_statuses() -> None:
     s = close_status(Close(CLOSE_TRY_LATER), {"code": "session_limit", "message": "full", "retry_after_s": 0.2})
     assert s.code == grpc.StatusCode.RESOURCE_EXHAUSTED and dict(s.trailing)["retry-after"] == "1"
     assert close_status(Close(1008), {"code": "too_many_sessions", "message": "x"}).code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_sent_at_works_over_grpc_and_a_bad_one_is_invalid_argument() -> None:
+    g, rt, decode = make()
+
+    async def script(s: Session) -> Any:
+        await s.send(START)
+        await s.recv()
+        await s.send({"type": "input", "seq": 0, "text": "hi", "sent_at": time.time() - 0.25})
+        out = await s.recv()
+        await s.send({"type": "input", "seq": 1, "text": "hi", "sent_at": "now"})
+        err = await s.recv()
+        return out, err, await s.status()
+
+    out, err, (code, _, _) = drive(g, script)
+    assert out["type"] == "output" and out["queued_ms"] >= 250
+    assert err["code"] == "invalid_value" and code == grpc.StatusCode.INVALID_ARGUMENT
+    assert rt._live == 0 and len(decode.ticks) == 1

@@ -109,6 +109,7 @@ class RecordingRealtimeMetrics:
         self.ticks: list[tuple[float, bool]] = []
         self.live: list[tuple[int, int]] = []
         self.refusals = 0
+        self.cliff_actions: list[str] = []
 
     def tick(self, seconds: float, late: bool) -> None:
         self.ticks.append((seconds, late))
@@ -118,6 +119,9 @@ class RecordingRealtimeMetrics:
 
     def refused(self) -> None:
         self.refusals += 1
+
+    def cliff(self, action: str) -> None:
+        self.cliff_actions.append(action)
 
 
 def make(decode: FakeDecode | None = None, *, keys: dict[str, str | None] | None = None, directory: Any = None,
@@ -220,7 +224,8 @@ def test_the_directory_pins_the_session_to_a_replica() -> None:
     assert decode.opens[0].target_replica == "replica-3"
     (route_args,) = directory.called("route")
     assert route_args[0] == decode.opens[0].session_id and route_args[2] == len(decode.opens[0].preamble_ids)
-    assert directory.kwargs[0] == ("route", {"owned": False})  # a server-made id: never in the ownership store
+    # a server-made id: never in the ownership store; placed away from decoders near their KV cliff (realtime.cliff)
+    assert directory.kwargs[0] == ("route", {"owned": False, "cliff_horizon_s": 30.0})
     assert_all_released(rt, decode)
 
 
@@ -447,6 +452,95 @@ def test_a_slow_tick_counts_as_late_for_the_server_metric() -> None:
         out = ws.receive_json()
     assert out["type"] == "output" and out["server_ms"] >= 50
     assert metrics.ticks[0][0] >= 0.05 and metrics.ticks[0][1] is True
+    assert_all_released(rt, decode)
+
+
+# ---- client send timestamps (sent_at) ---------------------------------------------------------------------
+
+
+def test_sent_at_puts_the_queueing_before_the_read_into_the_latency() -> None:
+    c, rt, decode, metrics = make()
+    with c.websocket_connect("/v1/realtime") as ws:
+        started(ws, {**START, "tick_ms": 100, "deadline_ms": 200})
+        ws.send_json({"type": "input", "seq": 0, "text": "hi", "sent_at": time.time() - 0.5})  # queued 0.5 s on the client's side
+        queued = ws.receive_json()
+        ws.send_json({"type": "input", "seq": 1, "text": "hi"})  # without sent_at: from the read, as before
+        plain = ws.receive_json()
+        ws.send_json({"type": "input", "seq": 2, "text": "hi", "sent_at": time.time() + 0.5})  # within the 1 s clock skew
+        skewed = ws.receive_json()
+    assert queued["queued_ms"] >= 500 and queued["server_ms"] < 500  # server_ms stays the server's own time
+    assert "queued_ms" not in plain and skewed["queued_ms"] == 0.0
+    (lat0, late0), (lat1, late1), (lat2, late2) = metrics.ticks
+    assert lat0 >= 0.5 and late0 is True  # past the 200 ms deadline only because of the queueing
+    assert lat1 < 0.2 and not late1 and lat2 < 0.2 and not late2
+    assert max(rt.controller.window(time.monotonic())) >= 0.5  # the AIMD controller sees it too
+    assert_all_released(rt, decode)
+
+
+@pytest.mark.parametrize("sent_at", ["yesterday", True, [1.0], 10 ** 400, "future", "past"],
+                         ids=["text", "bool", "list", "huge int", "30 s ahead", "an hour behind"])
+def test_a_bad_sent_at_is_an_error_frame_and_closes_1008(sent_at: Any) -> None:
+    c, rt, decode, _ = make(idle_timeout_s=60.0)
+    value = {"future": time.time() + 30.0, "past": time.time() - 3600.0}.get(sent_at, sent_at) if isinstance(sent_at, str) else sent_at
+    with c.websocket_connect("/v1/realtime") as ws:
+        started(ws)
+        ws.send_text(json.dumps({"type": "input", "seq": 0, "text": "hi", "sent_at": value}))
+        err, close = error_then_close(ws)
+    assert err["code"] == "invalid_value" and "sent_at" in err["message"] and close == 1008
+    assert decode.ticks == []  # the frame reached no engine
+    assert_all_released(rt, decode)
+
+
+def test_a_nan_sent_at_closes_1008() -> None:
+    c, rt, decode, _ = make()
+    with c.websocket_connect("/v1/realtime") as ws:
+        started(ws)
+        ws.send_text('{"type": "input", "seq": 0, "text": "hi", "sent_at": NaN}')  # Python's json reads it as a float
+        frame, code = error_then_close(ws)
+    assert frame["code"] == "invalid_value" and code == 1008
+    assert_all_released(rt, decode)
+
+
+# ---- the KV cliff at admission (realtime.cliff) --------------------------------------------------------------
+
+
+def cliff_directory(eta: float | None) -> FakeDirectory:
+    return FakeDirectory([TurnPlan(decode_replica=REPLICA, remote_prefill=False, reason="new", cliff_eta_s=eta)])
+
+
+def test_a_session_is_refused_when_its_decoder_is_about_to_hit_the_cliff() -> None:
+    from router.cliff import CliffAdmissionConfig
+
+    c, rt, decode, metrics = make(directory=cliff_directory(5.0), cliff=CliffAdmissionConfig(action="refuse", horizon_s=30.0,
+                                                                                               retry_after_s=7.0))
+    with c.websocket_connect("/v1/realtime") as ws:
+        ws.send_json(START)
+        frame, code = error_then_close(ws)
+    assert frame["code"] == "cliff_ahead" and frame["retry_after_s"] == 7.0 and "5.0 s" in frame["message"]
+    assert code == 1013 and decode.opens == [] and rt._live == 0
+    assert metrics.cliff_actions == ["refuse"]
+
+
+def test_with_warn_the_session_is_admitted_and_told() -> None:
+    c, rt, decode, metrics = make(directory=cliff_directory(5.0))  # the default action: warn
+    with c.websocket_connect("/v1/realtime") as ws:
+        frame = started(ws)
+        ws.send_json({"type": "session.end"})
+        assert closed_with(ws) == 1000
+    assert frame["warning"]["code"] == "cliff_ahead" and metrics.cliff_actions == ["warn"]
+    assert len(decode.opens) == 1
+    assert_all_released(rt, decode)
+
+
+@pytest.mark.parametrize("eta", [None, 120.0])
+def test_a_distant_or_absent_cliff_admits_silently(eta: float | None) -> None:
+    from router.cliff import CliffAdmissionConfig
+
+    c, rt, decode, metrics = make(directory=cliff_directory(eta), cliff=CliffAdmissionConfig(action="refuse"))
+    with c.websocket_connect("/v1/realtime") as ws:
+        frame = started(ws)
+    assert "warning" not in frame and metrics.cliff_actions == []
+    assert decode.opens[0].tick_s == pytest.approx(0.2)  # the session's period reaches the replica (its growth rate)
     assert_all_released(rt, decode)
 
 

@@ -30,7 +30,8 @@ def test_figures_are_the_flat_fields_then_the_extra_figures() -> None:
     assert figures == {
         "kv_usage": 0.25, "kv_resident": 0.5, "kv_capacity_tokens": 4096, "num_running": 2, "num_waiting": 3,
         "pending_prefill_tokens": 700, "in_flight": 5, "kv_transfers_received": 4, "kv_bytes_received": 8192,
-        "kv_transfer_failures": 1, "kv_transfers_offered": 6, "checkpoints_held": 3,
+        "kv_transfer_failures": 1, "kv_transfers_offered": 6, "retained_tokens": 0, "offered_growth_tokens_per_s": 0.0,
+        "served_growth_tokens_per_s": 0.0, "checkpoints_held": 3,
     }
 
 
@@ -71,7 +72,8 @@ def test_the_directory_stores_the_report_and_shows_its_figures() -> None:
     state.report(report, 1.0)
     assert state.live("decode", 2.0) == [report]
     shown = state.snapshot(2.0)["replicas"]["d0"]
-    assert shown == {**report.figures(), "pool": "decode", "live": True, "pinned": 0, "age_s": 1.0}  # directory keys win
+    assert shown == {**report.figures(), "pool": "decode", "live": True, "pinned": 0, "age_s": 1.0,  # directory keys win
+                     "cliff_eta_s": None}  # no real-time session grows there
     plan = state.route("s", None, 100, 2.0)
     assert plan.decode_replica == "d0"
     state.check_integrity()

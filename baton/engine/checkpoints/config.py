@@ -24,6 +24,8 @@ class CheckpointConfig(BaseModel):
     freeze_share: float = Field(0.2, gt=0, le=1, description="a depth holding this share of the mass becomes a frozen mode")
     freeze_min_weight: float = Field(8.0, ge=0, description="... once it has at least this many observations' weight")
     resolve_every: int = Field(1, ge=1, description="re-solve a family's plan after this many new observations (a solve takes ~ms)")
+    continuation: bool = Field(True, description="plan for the family's next request continuing from this one's replay boundary, "
+                               "with the continuation rate observed so far (a conversation's next turn extends its prompt)")
     fill_spare: bool = Field(True, description="dp only: budget the DP leaves unused goes to the widest gaps (covers depths not seen yet)")
     max_families: int = Field(1024, ge=1, description="prefix families tracked (least recently seen dropped)")
 

@@ -1,14 +1,25 @@
 """Per-family checkpoint plans kept up to date from observed match depths (pure; clock injected).
 
-One `CheckpointPolicy` per engine. A prefix family is named by the key of a prompt's first full
-block (prompts shorter than one block have no family and no checkpoints). For each family it owns
-a DepthHistogram and the CheckpointPlan in force; the engine-side seam (scheduler.py) and the
+One `CheckpointPolicy` per engine. A prefix family is named by its caller: the engine uses the key
+of a prompt's first full block (prompts shorter than one block have no family and no checkpoints),
+the benchmark also a conversation's key (system prompt + first user message). For each family it
+owns a DepthHistogram and the CheckpointPlan in force; the engine-side seam (scheduler.py) and the
 benchmark's simulator both drive this same class, so what the benchmark counts is what the engine
 enforces.
 
+Continuation (cfg.continuation): the histogram says which depths recur; a conversation's next turn
+instead matches a depth never seen before — the end of the turn just seen (its prompt and reply),
+and a sibling question the end of the document it shares. So the distribution the plan is made for
+is the mixture (1 − ρ)·histogram + ρ·Σ_δ q(δ)·[tail + δ]: tail = the replay boundary of the
+family's latest request; ρ = the share of requests so far whose match reached an earlier prompt's
+tail (PrefixDepthTracker.observe; shrunk by one pseudo-request so ρ < 1); q(δ) = how far past that
+tail those matches went (block multiples: a reply crossing a block boundary or not). A position
+past the prompt is kept during decode, when the reply reaches it.
+
 Invariants (check_integrity): every family's plan passes CheckpointPlan.check_integrity, holds
 at most `budget` positions (block_dense: at most the family's block count), and never holds a
-position deeper than the family's longest replay boundary seen.
+position deeper than the family's longest replay boundary seen plus the largest continuation
+offset observed.
 """
 from __future__ import annotations
 
@@ -31,6 +42,7 @@ class FamilyState:
     histogram: DepthHistogram
     plan: CheckpointPlan
     length: int = 0  # deepest replay boundary seen in the family (tokens, block multiple)
+    tail: int = 0  # replay boundary of the family's latest request
 
 
 @dataclass
@@ -54,6 +66,12 @@ class CheckpointPolicy:
         self.block_size = block_size
         self.families: OrderedDict[Hashable, FamilyState] = OrderedDict()
         self.counters = PolicyCounters()
+        self.followed = 0  # requests observed
+        self.continued = 0  # ... whose match reached an earlier prompt's replay boundary (its tail)
+        self.offsets: dict[int, int] = {}  # how far past that tail (tokens, block multiple) → count
+
+    def continuation_rate(self) -> float:
+        return self.continued / (self.followed + 1)
 
     def empty_plan(self) -> CheckpointPlan:
         return CheckpointPlan(self.cfg.strategy, (), self.cfg.budget, self.block_size, 0.0)
@@ -64,8 +82,9 @@ class CheckpointPolicy:
             return self.empty_plan()
         return self.families[family].plan
 
-    def observe(self, family: Hashable | None, depth: int, prompt_len: int, now: float) -> CheckpointPlan:
-        """Record one request's match depth; re-solve the family's plan when due; return it."""
+    def observe(self, family: Hashable | None, depth: int, prompt_len: int, now: float, reached_tail: int | None = None) -> CheckpointPlan:
+        """Record one request's match depth (and the earlier tail it reached, PrefixDepthTracker.observe);
+        re-solve the family's plan when due; return it."""
         if family is None:
             return self.empty_plan()
         st = self.families.get(family)
@@ -79,6 +98,12 @@ class CheckpointPolicy:
         replay = max(prompt_len - 1, 0) // self.block_size * self.block_size
         grew = replay > st.length
         st.length = max(st.length, replay)
+        self.followed += 1
+        if reached_tail is not None and 0 < reached_tail <= depth:
+            self.continued += 1
+            delta = (depth - reached_tail) // self.block_size * self.block_size
+            self.offsets[delta] = self.offsets.get(delta, 0) + 1
+        st.tail = replay
         if st.histogram.resolve_due() or (grew and self.cfg.strategy != "dp"):
             st.plan = self._solve(st)
             st.histogram.mark_resolved()
@@ -101,6 +126,11 @@ class CheckpointPolicy:
         depths, probs = st.histogram.distribution()
         mask = depths <= st.length
         depths, probs = depths[mask], probs[mask]
+        rho = self.continuation_rate() if self.cfg.continuation and st.tail else 0.0
+        if rho > 0:
+            total = sum(self.offsets.values())
+            depths = np.concatenate((depths, [st.tail + d for d in self.offsets])).astype(np.int64)
+            probs = np.concatenate((probs * (1 - rho), [rho * c / total for c in self.offsets.values()]))
         return plan_for(self.cfg, st.length, self.block_size, depths, probs)
 
     def held_positions(self) -> int:
@@ -110,8 +140,9 @@ class CheckpointPolicy:
         for st in self.families.values():
             st.histogram.check_integrity()
             st.plan.check_integrity()
-            if st.plan.positions and st.plan.positions[-1] > st.length:
-                raise AssertionError(f"plan position {st.plan.positions[-1]} past the family's length {st.length}")
+            horizon = st.length + max(self.offsets, default=0)  # continuation may plan into the reply
+            if st.plan.positions and st.plan.positions[-1] > horizon:
+                raise AssertionError(f"plan position {st.plan.positions[-1]} past the family's horizon {horizon}")
 
 
 def plan_for(cfg: CheckpointConfig, length: int, block_size: int, depths: np.ndarray, probs: np.ndarray) -> CheckpointPlan:

@@ -156,8 +156,9 @@ class CheckpointScheduler(Scheduler):
         blocks, num_local, _junction, diverged = super()._get_local_prefix_cache_hit(request)
         if request.request_id not in self._observed:
             keys = self._block_keys(request)
-            depth = self._depths.match_and_add(keys, request.num_prompt_tokens)
-            self.checkpoint_policy.observe(keys[0] if keys else None, depth, request.num_prompt_tokens, self._clock())
+            match = self._depths.observe(keys, request.num_prompt_tokens)
+            depth = match.depth
+            self.checkpoint_policy.observe(keys[0] if keys else None, depth, request.num_prompt_tokens, self._clock(), match.reached_tail)
             self.checkpoint_policy.record_hit(depth, num_local)
             self._observed[request.request_id] = depth
             while len(self._observed) > 4096:

@@ -12,9 +12,11 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from baton.engine.realtime.growth import POINTS, TokenGrowth, retained_tokens, session_growth, total_growth
 from baton.engine.realtime.messages import RealtimeOpen, RealtimeTick, TickResult
 from baton.engine.realtime.session import SessionSpec, SessionState, TickPlan, after_lost_kv, after_tick, open_session, plan_tick
 from baton.engine.types import EngineRequestError, EngineUnavailable, GenerationRequest, SamplingSpec
@@ -30,6 +32,9 @@ class _Live:
     state: SessionState
     lock: asyncio.Lock
     last_used: float
+    tick_s: float | None = None
+    opened_at: float = 0.0
+    completed: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=POINTS))  # (at, retained tokens)
 
 
 class UnknownSession(KeyError):
@@ -47,11 +52,12 @@ class RealtimeSessions:
 
     def open(self, msg: RealtimeOpen) -> SessionSpec:
         self._expire()
+        now = time.monotonic()
         if msg.session_id in self._live:
             raise EngineRequestError(f"session {msg.session_id!r} is already open")
         spec = SessionSpec(session_id=msg.session_id, mode=msg.mode, sink_tokens=msg.sink_tokens,
                            window_tokens=msg.window_tokens, max_tokens=msg.max_tokens, salt=f"rt-{uuid.uuid4().hex}")
-        self._live[msg.session_id] = _Live(open_session(spec, msg.preamble_ids), asyncio.Lock(), time.monotonic())
+        self._live[msg.session_id] = _Live(open_session(spec, msg.preamble_ids), asyncio.Lock(), now, msg.tick_s, now)
         return spec
 
     def close(self, session_id: str) -> bool:
@@ -60,6 +66,12 @@ class RealtimeSessions:
     def held_kv_bytes(self) -> int:
         """Host memory held by bounded sessions' sink and window segments."""
         return sum(kv.nbytes for s in self._live.values() for kv in (s.state.sink_kv, s.state.window_kv) if kv is not None)
+
+    def token_growth(self, now: float | None = None) -> TokenGrowth:
+        """Retained tokens and growth rates of the live sessions (growth.py), at `now` (monotonic)."""
+        now = time.monotonic() if now is None else now
+        return total_growth(session_growth(tuple(s.completed), s.tick_s, now, s.opened_at, s.state.spec.mode == "unbounded")
+                            for s in self._live.values())
 
     async def tick(self, msg: RealtimeTick) -> TickResult:
         live = self._live.get(msg.session_id)
@@ -90,6 +102,7 @@ class RealtimeSessions:
                     live.state = after_lost_kv(live.state, plan, tuple(tokens))
                 else:
                     live.state = after_tick(live.state, plan, captured, tuple(tokens))
+                live.completed.append((time.monotonic(), retained_tokens(live.state)))
             live.last_used = time.monotonic()
             return TickResult(seq=msg.seq, text="".join(text), token_ids=tuple(tokens), server_s=time.perf_counter() - t0,
                               prompt_tokens=len(plan.prompt), kv_peak_tokens=peak,

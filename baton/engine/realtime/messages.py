@@ -18,6 +18,7 @@ class RealtimeOpen:
     window_tokens: int
     max_tokens: int
     target_replica: str | None = None
+    tick_s: float | None = None  # the client's tick period (the cliff predictor's growth rate); None: measured
 
 
 @dataclass(frozen=True)

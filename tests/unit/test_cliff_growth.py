@@ -1,0 +1,78 @@
+"""What a replica counts for the cliff predictor (baton/engine/realtime/growth.py and
+RealtimeSessions.token_growth): retained history tokens of completed ticks only, and growth
+offered (tick period) vs served (measured). Pure, plus the manager over the fake runner."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_realtime_manager import FakeRunner, empty_segment_table
+
+from baton.engine.realtime.growth import STALE_PERIODS, SessionGrowth, session_growth, total_growth
+from baton.engine.realtime.manager import RealtimeSessions
+from baton.engine.realtime.messages import RealtimeOpen, RealtimeTick
+
+__all__ = ["empty_segment_table"]  # the fixture, used by name
+
+
+def test_a_session_keeping_time_grows_at_its_appended_tokens_per_period() -> None:
+    # 4 ticks of 40 tokens, one every 8 s, each done 1 s after its send
+    points = [(1.0 + 8 * i, 100 + 40 * i) for i in range(5)]
+    g = session_growth(points, tick_s=8.0, now=34.0, opened_at=0.0)
+    assert g.retained_tokens == 260
+    assert g.offered_tokens_per_s == pytest.approx(5.0) and g.served_tokens_per_s == pytest.approx(5.0)
+
+
+def test_a_session_the_engine_cannot_keep_up_with_is_served_slower_than_it_offers() -> None:
+    points = [(0.0, 100), (20.0, 140), (40.0, 180)]  # ticks of period 8 s completing every 20 s
+    g = session_growth(points, tick_s=8.0, now=41.0, opened_at=0.0)
+    assert g.offered_tokens_per_s == pytest.approx(5.0) and g.served_tokens_per_s == pytest.approx(2.0)
+
+
+def test_without_a_declared_period_the_measured_one_is_used() -> None:
+    g = session_growth([(0.0, 0), (4.0, 20), (8.0, 40)], tick_s=None, now=9.0, opened_at=0.0)
+    assert g.offered_tokens_per_s == pytest.approx(5.0) == g.served_tokens_per_s
+
+
+def test_a_silent_session_keeps_its_tokens_but_does_not_grow() -> None:
+    points = [(0.0, 100), (8.0, 140)]
+    assert session_growth(points, 8.0, now=8.0 + STALE_PERIODS * 8.0, opened_at=0.0).offered_tokens_per_s > 0
+    silent = session_growth(points, 8.0, now=8.0 + STALE_PERIODS * 8.0 + 0.1, opened_at=0.0)
+    assert silent == SessionGrowth(140, 0.0, 0.0)
+
+
+def test_warming_sessions_count_at_the_mean_rate_of_the_growing_ones() -> None:
+    growing = [SessionGrowth(200, 5.0, 4.0), SessionGrowth(300, 3.0, 3.0)]
+    warming = session_growth([(1.0, 50)], 8.0, now=2.0, opened_at=0.0)  # one tick done: no rate of its own yet
+    assert warming.warming and warming.retained_tokens == 50
+    total = total_growth([*growing, warming, session_growth((), 8.0, now=2.0, opened_at=1.0)])
+    assert total.sessions == 4 and total.growing_sessions == 4 and total.retained_tokens == 550
+    assert total.offered_tokens_per_s == pytest.approx(8.0 * 2) and total.served_tokens_per_s == pytest.approx(7.0 * 2)
+    alone = total_growth([warming])  # nobody has a rate yet: no growth to borrow
+    assert alone.offered_tokens_per_s == 0.0 and alone.growing_sessions == 0
+    bounded = session_growth([(1.0, 0)], 8.0, now=2.0, opened_at=0.0, retains=False)
+    assert not bounded.warming
+
+
+def test_the_manager_counts_unbounded_history_and_nothing_for_bounded_sessions() -> None:
+    runner = FakeRunner(reply_len=2)
+    rs = RealtimeSessions(runner)
+    for sid, mode in (("u", "unbounded"), ("b", "bounded")):
+        rs.open(RealtimeOpen(sid, mode, (1, 2, 3, 4), sink_tokens=2, window_tokens=6, max_tokens=2, tick_s=8.0))  # type: ignore[arg-type]
+
+    async def ticks() -> None:
+        for seq in range(3):
+            for sid in ("u", "b"):
+                await rs.tick(RealtimeTick(sid, seq, (10 + seq, 20 + seq)))
+
+    asyncio.run(ticks())
+    # unbounded history after 3 ticks: preamble 4 + (2 input) + (2 reply + 2 input) x 2 = 14 tokens;
+    # the last reply is pending (not in the pool yet)
+    assert len(rs._live["u"].state.history) == 14
+    g = rs.token_growth()
+    assert g.sessions == 2 and g.retained_tokens == 14 and g.growing_sessions == 1
+    # 8 tokens over 2 ticks of a declared 8 s period; served: the same tokens over the few ms they took
+    assert g.offered_tokens_per_s == pytest.approx(8 / 16)
+    assert g.served_tokens_per_s > g.offered_tokens_per_s
+    rs.close("u")
+    assert rs.token_growth().retained_tokens == 0
