@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -110,6 +111,12 @@ class LocalServeApp:
         return self._serve
 
     def __enter__(self) -> RunningApp:
+        """Start the app and wait until /health is ok. Fails before launching on a config the
+        builder would refuse (its ConfigError), and as soon as Serve logs that the deploy failed,
+        instead of waiting out the start timeout."""
+        from deployments.config import load_app_config
+
+        load_app_config(self._args)
         self._launch("127.0.0.1")
         assert self._serve is not None
         t0 = self._launched_at
@@ -118,6 +125,10 @@ class LocalServeApp:
             if self._serve.poll() is not None:
                 self.__exit__(None, None, None)
                 raise RuntimeError(f"serve run exited early; see {self._log_dir / 'serve.log'}")
+            failed = deploy_failure(self._log_dir / "serve.log")
+            if failed is not None:
+                self.__exit__(None, None, None)
+                raise RuntimeError(f"the application failed to deploy: {failed}; see {self._log_dir / 'serve.log'}")
             try:
                 if httpx.get(f"{url}/health", timeout=10).json().get("status") == "ok":
                     return RunningApp(url=url, start_seconds=time.monotonic() - t0, log_path=self._log_dir / "serve.log")
@@ -136,6 +147,30 @@ class LocalServeApp:
                 self._serve.kill()
         if self._ray_temp is not None:
             stop_ray_session(self._ray_temp)
+
+
+_DEPLOY_FAILED = "Deploying app 'baton' failed"
+
+
+def deploy_failure(log_path: Path) -> str | None:
+    """The first error line after Serve's "Deploying app 'baton' failed" in a `serve run` log
+    (the builder's exception), or None while the log has no such line."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return None
+    for i, line in enumerate(lines):
+        if _DEPLOY_FAILED in line:
+            after = [_plain(ln) for ln in lines[i + 1:]]
+            last = max((j for j, ln in enumerate(after) if "Error" in ln), default=None)
+            return line.strip() if last is None else " ".join(after[last:last + 2]).strip()
+    return None
+
+
+def _plain(line: str) -> str:
+    """A log line without ANSI colours and the `(Actor pid=…)` prefix Ray puts on actor output."""
+    line = re.sub(r"\x1b\[[0-9;]*m", "", line)
+    return re.sub(r"^\(\w+ pid=\d+\)\s*", "", line).strip()
 
 
 # polls the application's status from a separate driver (the dashboard is off, so no `serve status`)

@@ -104,6 +104,7 @@ def _baton_phase(model_path: str, prompts: list[list[int]], max_tokens: int, con
     cfg = _engine_config(8192).model_dump()
     args = {
         "ingress": {"served_model_name": "SmolLM2-135M-Instruct"},
+        "routing": {"policy": "colocated"},  # one unified engine, as the bare phase has
         "prefill": {"num_replicas": 0, "engine": cfg},
         "decode": {"num_replicas": 1, "resources": {"num_cpus": 1, "custom": {"decode_slot": 1}}, "engine": cfg},
     }
