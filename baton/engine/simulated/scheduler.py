@@ -42,10 +42,12 @@ class SchedulerLimits:
 
 @dataclass
 class ScheduledStep:
-    """What one step runs: tokens per request id, and each request's computed tokens before it."""
+    """What one step runs: tokens per request id, each request's computed tokens before it (for
+    one admitted this step: its prefix hit), who was admitted from waiting, who was preempted."""
 
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     computed_before: dict[str, int] = field(default_factory=dict)
+    admitted: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
 
     @property
@@ -186,6 +188,7 @@ class Scheduler:
             req.status = Status.RUNNING
             step.num_scheduled_tokens[req.request_id] = n
             step.computed_before[req.request_id] = computed
+            step.admitted.append(req.request_id)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
 
