@@ -11,8 +11,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("aiconfigurator_core")
-
 from baton.engine.simulated.timing import AicStepTimer, PrefillChunk, StepBatch, isl_grid
 
 GPU, MODEL = "h200_sxm", "meta-llama/Meta-Llama-3.1-8B"
