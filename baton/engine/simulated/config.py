@@ -52,7 +52,7 @@ class SimulatedEngineConfig(BaseModel):
     kv_cache_gib: float | None = Field(None, gt=0, description="KV pool size per GPU in GiB, turned into tokens with the "
                                        "model's per-token KV bytes (bf16, its KV heads split over tp)")
     link_gbps: float = Field(400.0, gt=0, description="bandwidth of the link a P/D handoff's KV crosses, Gbit/s")
-    time_scale: float = Field(1.0, gt=0, description="the engine sleeps predicted step time × this (0.1: ten times faster)")
+    time_scale: float = Field(1.0, gt=0, description="the engine sleeps predicted step and transfer times × this (0.1: ten times faster)")
 
     @model_validator(mode="after")
     def _known_to_aiconfigurator(self) -> SimulatedEngineConfig:

@@ -117,7 +117,8 @@ def build_simulated_engine(spec: EngineSpec) -> SimulatedEngine:
     if s.handoff:
         from kv_transfer.ledger import process_ledger
 
-        handoff = HandoffAccounting(HandoffLink(s.sim.link_gbps, s.block_size * geometry.bytes_per_token), process_ledger())
+        handoff = HandoffAccounting(HandoffLink(s.sim.link_gbps, s.block_size * geometry.bytes_per_token), process_ledger(),
+                                    s.sim.time_scale)
     limits = SchedulerLimits(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len)
     scheduler = Scheduler(limits, KVCacheManager(pool, s.max_model_len), handoff, engine_id=f"sim-{uuid.uuid4().hex[:12]}", tp=s.sim.tp)
     return SimulatedEngine(scheduler, AicStepTimer(s.sim.gpu, s.sim.model, s.sim.tp), s.sim.time_scale)

@@ -9,8 +9,8 @@ own prefix cache lacks, waits out the transfer, then computes the last prompt to
 Assumptions, stated once:
 - bytes = blocks × block_size × the model's per-token KV bytes (all layers and KV heads, bf16),
   whatever the TP size: one link carries a request's whole KV;
-- transfer time = bytes / link bandwidth (`link_gbps`, Gbit/s); no per-transfer latency, no
-  contention between concurrent transfers;
+- transfer time = bytes / link bandwidth (`link_gbps`, Gbit/s), × the engine's time_scale; no
+  per-transfer latency, no contention between concurrent transfers;
 - the prefill side cannot see the reader (another process), so it holds the blocks for the time a
   full transfer of them takes, then frees them as read (vLLM frees on the reader's notification).
 Both sides write this process's transfer ledger (kv_transfer/ledger.py) as the NIXL connector does.
@@ -55,16 +55,17 @@ def producer_params(engine_id: str, request_id: str, block_ids: list[int], num_c
 class HandoffAccounting:
     """Times transfers on one engine and writes them to its process's ledger."""
 
-    def __init__(self, link: HandoffLink, ledger: TransferLedger):
+    def __init__(self, link: HandoffLink, ledger: TransferLedger, time_scale: float = 1.0):
         self.link = link
         self.ledger = ledger
+        self.time_scale = time_scale  # the engine's: transfers speed up with its steps
         ledger.set_bytes_per_block(link.bytes_per_block)
 
     def begin_receive(self, request_id: str, blocks: int, params: dict[str, Any]) -> float:
         """The decoder posts reads of `blocks` blocks; returns the transfer's duration (s)."""
         if blocks > 0:
             self.ledger.begin_receive(request_id, blocks, params.get("remote_engine_id"))
-        return self.link.transfer_seconds(blocks)
+        return self.link.transfer_seconds(blocks) * self.time_scale
 
     def end_receive(self, request_id: str, ok: bool) -> None:
         self.ledger.end_receive(request_id, ok)
@@ -72,7 +73,7 @@ class HandoffAccounting:
     def offer(self, request_id: str, blocks: int) -> float:
         """The prefill engine holds `blocks` blocks for a reader; returns how long (s)."""
         self.ledger.note_offered(request_id, blocks)
-        return self.link.transfer_seconds(blocks)
+        return self.link.transfer_seconds(blocks) * self.time_scale
 
     def release(self, request_id: str) -> None:
         self.ledger.note_released(request_id, served=True)

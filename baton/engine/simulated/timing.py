@@ -100,8 +100,10 @@ def isl_grid(tokens: int) -> int:
     return -(-tokens // step) * step
 
 
+@lru_cache(maxsize=8)
 def compile_handle(gpu: str, model: str, tp: int) -> Any:
-    """AIConfigurator's compiled engine for vLLM on `gpu` (its system name, e.g. h200_sxm)."""
+    """AIConfigurator's compiled engine for vLLM on `gpu` (its system name, e.g. h200_sxm); one per
+    process for each gpu + model + tp (it is read-only once compiled)."""
     from aiconfigurator_core.sdk.engine import EngineHandle
 
     quiet = logging.getLogger("aiconfigurator_core")
