@@ -67,7 +67,7 @@ class SimulatedEngineConfig(BaseModel):
         if not os.path.isfile(aic_model_config_path(self.model)):
             known = sorted(f.removesuffix("_config.json").replace("--", "/") for f in os.listdir(os.path.join(root, "model_configs"))
                            if f.endswith("_config.json") and not f.endswith("_hf_quant_config.json"))
-            raise ValueError(f"{AIC_PACKAGE} has no model {self.model!r}; known: {', '.join(known[:12])}, ...")
+            raise ValueError(f"{AIC_PACKAGE} has no model {self.model!r}; known: {', '.join(known)}")
         return self
 
 
