@@ -113,3 +113,26 @@ def test_a_handoff_between_a_simulated_and_a_vllm_pool_is_refused() -> None:
     args["prefill"]["engine"] = {"model": "m"}
     with pytest.raises(ConfigError, match="both be simulated"):
         load_app_config(args)
+
+
+def test_build_app_gives_every_pool_of_local_simulated_a_simulated_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The builder turns each simulated pool into a spec the replica's factory choice builds a SimulatedEngine from."""
+    import deployments.app as app
+    from baton.engine.simulated.engine import build_simulated_engine
+    from baton.engine.vllm_engine import engine_factory_for
+
+    (tmp_path / "SmolLM2-135M-Instruct").mkdir()
+    (tmp_path / "SmolLM2-135M-Instruct" / "config.json").write_text("{}")
+    args = yaml.safe_load(LOCAL_SIMULATED.read_text())["applications"][0]["args"]
+    args["model_cache"] = str(tmp_path)
+    args["routing"]["ownership_db_path"] = str(tmp_path / "owners.sqlite3")
+    specs: list[Any] = []
+
+    def recording(cfg: EngineConfig, **kw: Any) -> Any:
+        specs.append(build_engine_spec(cfg, **kw))
+        return specs[-1]
+
+    monkeypatch.setattr(app, "build_engine_spec", recording)
+    app.build_app(args)
+    assert [(s.simulated.role, s.simulated.handoff) for s in specs] == [("decode", True), ("prefill", True)]
+    assert all(engine_factory_for(s) is build_simulated_engine and "kv_transfer_config" not in s.engine_kwargs for s in specs)
