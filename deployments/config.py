@@ -216,7 +216,23 @@ class AppConfig(_Strict):
                 f"(and give those engines to the decode pool)"
             )
         self._checkpoints_without_connector()
+        self._simulated_alone()
         return self
+
+    def _simulated_alone(self) -> None:
+        """A simulated engine (engine.kind simulated) has no KV connector: it cannot take memory
+        KV or real-time windows, and its handoff params name no real NIXL peer, so a handoff
+        needs both pools simulated."""
+        pools = [p for p in (self.prefill, self.decode) if p is not None and _pool_can_run(p)]
+        kinds = {p.engine.kind for p in pools}
+        if "simulated" not in kinds:
+            return
+        if len(kinds) > 1:
+            raise ValueError("prefill and decode pools must both be simulated or both vLLM (engine.kind): a simulated "
+                             "handoff names no real NIXL peer")
+        if self.memory is not None or self.realtime is not None:
+            raise ValueError("engine.kind simulated has no KV connector, so memory (KV injection) and realtime (held "
+                             "windows) cannot run on it: remove them from a simulated config")
 
     def _checkpoints_without_connector(self) -> None:
         """Recurrent-state checkpoints (hybrid models) run only on engines without a KV connector

@@ -1,4 +1,5 @@
-"""One engine replica of a pool (prefill or decode): a real vLLM engine behind a Serve deployment."""
+"""One engine replica of a pool (prefill or decode): a vLLM engine (or its simulated stand-in,
+`engine.kind: simulated`) behind a Serve deployment."""
 from __future__ import annotations
 
 import logging
@@ -16,6 +17,7 @@ from baton.engine.realtime.manager import RealtimeSessions, UnknownSession
 from baton.engine.realtime.messages import RealtimeClose, RealtimeOpen, RealtimeTick, TickResult
 from baton.engine.runner import EngineRunner
 from baton.engine.types import EngineStats, EngineUnavailable, GenerationDelta, GenerationRequest, StageTimes
+from baton.engine.vllm_engine import engine_factory_for
 from deployments.log_guard import serve_logging_kept
 from deployments.metrics import ServeSegmentMetrics
 from deployments.replica_report import HeldConversations, replica_report
@@ -36,7 +38,7 @@ class EngineReplica:
         self._held = HeldConversations()  # conversations served here: rebuilds a restarted directory's pins
         t0 = time.monotonic()
         with serve_logging_kept():  # vLLM and NIXL reconfigure logging while the engine is built
-            self._runner = EngineRunner(engine_spec_for_this_replica(spec))
+            self._runner = EngineRunner(engine_spec_for_this_replica(spec), engine_factory=engine_factory_for(spec))
         self.start_seconds = time.monotonic() - t0
         self._resolver = None
         if memory_cache_bytes > 0:

@@ -1,4 +1,5 @@
-"""The one place where a pool's config becomes vLLM engine arguments (including kv_transfer_config)."""
+"""The one place where a pool's config becomes an EngineSpec: vLLM engine arguments (including
+kv_transfer_config), or a simulated engine's settings (`engine.kind: simulated`)."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,7 @@ from typing import Any
 
 from baton.engine.checkpoints.config import CheckpointConfig
 from baton.engine.config import EngineConfig
+from baton.engine.simulated.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, SimulatedSpec
 from kv_transfer.config import PoolRole, kv_transfer_engine_arg
 
 GIB = 1 << 30
@@ -14,11 +16,13 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """Everything needed to start one engine: EngineArgs kwargs plus the process environment it needs."""
+    """Everything needed to start one engine: EngineArgs kwargs plus the process environment it
+    needs, or (simulated set, engine_kwargs empty) a simulated engine's settings."""
 
     engine_kwargs: dict[str, Any]
     env: dict[str, str]
     model_path: str
+    simulated: SimulatedSpec | None = None
 
 
 def resolve_model_path(model: str, model_cache: str) -> str:
@@ -54,6 +58,8 @@ def build_engine_spec(
 ) -> EngineSpec:
     """Pure: EngineArgs kwargs and environment for one engine of a pool. `handoff`: the engine
     takes part in a KV handoff between pools (decided by the caller from its routing policy)."""
+    if cfg.kind == "simulated":
+        return simulated_engine_spec(cfg, role=role, handoff=handoff, model_path=model_path)
     kwargs: dict[str, Any] = {
         "model": model_path,
         "tokenizer": cfg.tokenizer or model_path,
@@ -96,3 +102,19 @@ def build_engine_spec(
         env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind
         env["OMP_NUM_THREADS"] = str(cfg.cpu_threads)
     return EngineSpec(engine_kwargs=kwargs, env=env, model_path=model_path)
+
+
+def simulated_engine_spec(cfg: EngineConfig, *, role: PoolRole, handoff: bool, model_path: str) -> EngineSpec:
+    """Pure: a simulated engine's spec. No environment: it imports neither vLLM's engine nor NIXL."""
+    assert cfg.simulated is not None  # EngineConfig's validator
+    sim = SimulatedSpec(
+        sim=cfg.simulated,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_model_len=cfg.max_model_len,
+        block_size=cfg.block_size or DEFAULT_BLOCK_SIZE,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        role=role,
+        handoff=handoff,
+    )
+    return EngineSpec(engine_kwargs={}, env={}, model_path=model_path, simulated=sim)

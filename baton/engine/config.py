@@ -1,21 +1,36 @@
-"""vLLM engine arguments of one pool, as the user writes them (`<pool>.engine` in the YAML).
+"""The engine of one pool, as the user writes it (`<pool>.engine` in the YAML): vLLM's engine
+arguments, or (`kind: simulated`) a stand-in engine timed by AIConfigurator.
 
-Turned into `EngineArgs` in exactly one place: baton/engine/args.py. The engine layer owns this
+Turned into an EngineSpec in exactly one place: baton/engine/args.py. The engine layer owns this
 config, so it imports nothing from deployments/.
+
+A simulated engine keeps `model` (the HF folder the API layer tokenizes with), `tokenizer`,
+`max_model_len`, `enable_prefix_caching`, `block_size`, `max_num_seqs`, `max_num_batched_tokens`
+and `seed`: they mean what they mean to vLLM's scheduler. The fields that only build a vLLM engine
+(VLLM_ONLY_FIELDS) are refused when written with `kind: simulated`, so nothing written is silently
+ignored; their defaults are ignored.
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from baton.engine.checkpoints.config import CheckpointConfig
+from baton.engine.simulated.config import SimulatedEngineConfig
+
+EngineKind = Literal["vllm", "simulated"]
+VLLM_ONLY_FIELDS = ("dtype", "enforce_eager", "kv_cache_gib", "gpu_memory_utilization", "cpu_threads", "cpu_threads_bind",
+                    "extra_engine_args", "checkpoints")
 
 
 class EngineConfig(BaseModel):
-    """vLLM engine arguments of one pool; unknown fields fail by name (extra="forbid")."""
+    """The engine of one pool; unknown fields fail by name (extra="forbid")."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: EngineKind = Field("vllm", description="vllm: a real vLLM engine | simulated: a stand-in timed by AIConfigurator")
+    simulated: SimulatedEngineConfig | None = Field(None, description="kind simulated only: the GPU, model and KV pool it simulates")
 
     model: str = Field(..., description="path of an HF model folder, or a name under the model cache")
     tokenizer: str | None = None
@@ -35,3 +50,17 @@ class EngineConfig(BaseModel):
     checkpoints: CheckpointConfig | None = Field(
         None, description="hybrid models only: recurrent-state checkpoints at planned positions (baton/engine/checkpoints/)"
     )
+
+    @model_validator(mode="after")
+    def _kind_fits_fields(self) -> EngineConfig:
+        if self.kind == "vllm":
+            if self.simulated is not None:
+                raise ValueError("engine.simulated is for kind: simulated (this engine is kind: vllm)")
+            return self
+        if self.simulated is None:
+            raise ValueError("kind: simulated needs engine.simulated (gpu, model, and kv_capacity_tokens or kv_cache_gib)")
+        written = sorted(set(VLLM_ONLY_FIELDS) & self.model_fields_set)
+        if written:
+            raise ValueError(f"{', '.join(written)}: vLLM-only, meaningless for kind: simulated (the KV pool size is "
+                             f"engine.simulated.kv_capacity_tokens or kv_cache_gib)")
+        return self

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from baton.engine.args import EngineSpec
@@ -39,6 +40,15 @@ def build_vllm_engine(spec: EngineSpec) -> Any:
         # vLLM binds threads on purpose.
         if spec.env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind") == "nobind":
             os.sched_setaffinity(0, cpus)
+
+
+def engine_factory_for(spec: EngineSpec) -> Callable[[EngineSpec], Any]:
+    """The factory that builds `spec`'s engine: vLLM's, or the simulated stand-in (engine.kind)."""
+    if spec.simulated is not None:
+        from baton.engine.simulated.engine import build_simulated_engine
+
+        return build_simulated_engine
+    return build_vllm_engine
 
 
 def shutdown_engine(engine: Any) -> None:

@@ -1,0 +1,8 @@
+"""Simulated engines: vLLM v1's scheduling and KV bookkeeping without a model, timed by AIConfigurator.
+
+A pool with `engine.kind: simulated` runs SimulatedEngine (engine.py) behind the same runner,
+replicas, router and metrics as a vLLM engine. One file each: config.py (the YAML sub-config),
+timing.py (step time from AIConfigurator), geometry.py (KV bytes per token), blocks.py (block pool,
+prefix cache), kv_cache.py (per-request block tables), request.py, scheduler.py (vLLM's schedule()),
+handoff.py (P/D transfer accounting), outputs.py (RequestOutput-likes), engine.py.
+"""
