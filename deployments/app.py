@@ -118,7 +118,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     def spec(role: PoolRole, pool: PoolConfig) -> EngineSpec:
         on_gpu = pool.resources.num_gpus > 0
         return build_engine_spec(pool.engine, role=role, handoff=cfg.routing.disaggregated, model_path=model_path,
-                                 on_gpu=on_gpu, cache_root=cache_root, segments=cfg.memory is not None or cfg.realtime is not None)
+                                 on_gpu=on_gpu, cache_root=cache_root, segments=cfg.memory is not None or cfg.realtime is not None,
+                                 cpu_cores=pool.resources.cpu_cores, cores_per_replica=pool.resources.cpu_cores_per_replica)
 
     r = cfg.routing
     directory = ConversationDirectoryDeployment.bind(

@@ -51,6 +51,22 @@ class ResourcesConfig(_Strict):
     accelerator_type: str | None = Field(None, description="Ray accelerator type, e.g. H100 or L4 (GPU clusters)")
     custom: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica")
     memory_gib: float | None = Field(None, gt=0, description="Ray memory reservation per replica")
+    cpu_cores: tuple[int, ...] | None = Field(
+        None, min_length=1, description="CPU engines only (ignored on GPUs): core ids the pool's engines run on (their engine "
+        "thread and every thread it starts, NIXL's included); torch threads = one per core unless engine.cpu_threads is set. "
+        "None: not pinned")
+    cpu_cores_per_replica: int | None = Field(
+        None, ge=1, description="cut cpu_cores into slices of this many; each replica takes a free slice at start "
+        "(baton/engine/cpu_cores.py). None: every replica runs on all of cpu_cores")
+
+    @model_validator(mode="after")
+    def _cores(self) -> ResourcesConfig:
+        cores = self.cpu_cores or ()
+        if any(c < 0 for c in cores) or len(set(cores)) != len(cores):
+            raise ValueError(f"cpu_cores must be distinct core ids >= 0, not {list(cores)}")
+        if self.cpu_cores_per_replica is not None and (not cores or self.cpu_cores_per_replica > len(cores)):
+            raise ValueError("cpu_cores_per_replica needs cpu_cores with at least that many cores")
+        return self
 
 
 class PoolConfig(_Strict):

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from baton.engine.checkpoints.config import CheckpointConfig
 from baton.engine.config import EngineConfig
+from baton.engine.cpu_cores import CpuCores, core_slices
 from kv_transfer.config import PoolRole, kv_transfer_engine_arg
 
 GIB = 1 << 30
@@ -14,11 +15,23 @@ GIB = 1 << 30
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """Everything needed to start one engine: EngineArgs kwargs plus the process environment it needs."""
+    """Everything needed to start one engine: EngineArgs kwargs plus the process environment it needs.
+
+    cpu: the pool's CPU cores (None: not pinned; always None on GPUs); cores: the ones this
+    engine runs on, once chosen (`pinned_to`: at build time when the pool has one slice, else by
+    the replica that claimed a slice, baton/engine/cpu_cores.py)."""
 
     engine_kwargs: dict[str, Any]
     env: dict[str, str]
     model_path: str
+    cpu: CpuCores | None = None
+    cores: tuple[int, ...] = ()
+
+    def pinned_to(self, cores: tuple[int, ...]) -> EngineSpec:
+        """This spec on `cores`: torch/OMP threads = cpu_threads when set, else one per core."""
+        if self.cpu is None:
+            raise ValueError("the pool has no cpu_cores")
+        return replace(self, cores=tuple(cores), env={**self.env, "OMP_NUM_THREADS": str(self.cpu.threads_for(tuple(cores)))})
 
 
 def resolve_model_path(model: str, model_cache: str) -> str:
@@ -51,9 +64,12 @@ def build_engine_spec(
     on_gpu: bool,
     cache_root: str,
     segments: bool = False,
+    cpu_cores: tuple[int, ...] | None = None,
+    cores_per_replica: int | None = None,
 ) -> EngineSpec:
     """Pure: EngineArgs kwargs and environment for one engine of a pool. `handoff`: the engine
-    takes part in a KV handoff between pools (decided by the caller from its routing policy)."""
+    takes part in a KV handoff between pools (decided by the caller from its routing policy).
+    cpu_cores / cores_per_replica: the pool's resources.cpu_cores (ignored on GPUs)."""
     kwargs: dict[str, Any] = {
         "model": model_path,
         "tokenizer": cfg.tokenizer or model_path,
@@ -95,4 +111,11 @@ def build_engine_spec(
     if not on_gpu:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind
         env["OMP_NUM_THREADS"] = str(cfg.cpu_threads)
-    return EngineSpec(engine_kwargs=kwargs, env=env, model_path=model_path)
+    spec = EngineSpec(engine_kwargs=kwargs, env=env, model_path=model_path)
+    if on_gpu or not cpu_cores:
+        return spec
+    # cpu_threads counts only when the user wrote it; otherwise one torch thread per core
+    threads = cfg.cpu_threads if "cpu_threads" in cfg.model_fields_set else None
+    cpu = CpuCores(core_slices(tuple(cpu_cores), cores_per_replica), threads)
+    spec = replace(spec, cpu=cpu)
+    return spec.pinned_to(cpu.slices[0]) if len(cpu.slices) == 1 else spec
