@@ -132,6 +132,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
             weights=LoadWeights(pin_weight=r.pin_weight, queue_weight=r.queue_weight, kv_weight=1.0),
             # a restarted directory gets its pins back from the decoders' reports: give them two periods
             rebuild_grace_s=2.0 * cfg.decode.routing_stats_period_s,
+            conditional_pd_threshold_tokens=r.conditional_pd_threshold_tokens,
+            prefill_queue_limit_tokens=r.prefill_queue_limit_tokens,
         ),
         r.resolved_ownership_db_path(PROJECT_ROOT),
     )

@@ -17,7 +17,7 @@ from memory_store.config import MemoryConfig
 from router.admission import AdmissionConfig
 from router.chat_admission import ChatAdmissionConfig
 from router.cliff import CliffAdmissionConfig
-from router.policy import DISAGGREGATED, Policy
+from router.policy import DEFAULT_CONDITIONAL_PD_THRESHOLD_TOKENS, DISAGGREGATED, Policy
 
 
 class _Strict(BaseModel):
@@ -139,9 +139,18 @@ class RoutingConfig(_Strict):
     policy: Policy = Field(
         "conversation",
         description="conversation: first turn prefilled on the prefill pool, KV moved once (NIXL), later turns pinned to "
-        "that decoder; per_turn_pd: remote prefill + KV transfer every turn; colocated: whole requests on the decode "
+        "that decoder; per_turn_pd: remote prefill + KV transfer every turn; conditional_pd: pinned like conversation, "
+        "each turn prefilled on the prefill pool only when its uncached suffix exceeds conditional_pd_threshold_tokens "
+        "(llm-d's P/D decider, Dynamo's conditional disaggregation); colocated: whole requests on the decode "
         "pool with conversation affinity; round_robin: whole requests, rotating",
     )
+    conditional_pd_threshold_tokens: int = Field(
+        DEFAULT_CONDITIONAL_PD_THRESHOLD_TOKENS, ge=0, description="conditional_pd: prompt tokens the decoder does not hold for "
+        "the conversation above which a turn is prefilled on the prefill pool; at or below it, on the decoder")
+    prefill_queue_limit_tokens: int = Field(
+        16384, ge=0, description="disaggregated policies: when every prefill replica has more prompt tokens queued than this "
+        "and the chosen decoder is idle (nothing waiting, at most conditional_pd_threshold_tokens queued), the turn is "
+        "prefilled on the decoder instead (counted as prefill_fallback_local in /baton/stats)")
     conversation_ttl_s: float = Field(1800.0, gt=0, description="idle conversations lose their pin after this")
     pin_weight: float = Field(0.02, ge=0, description="decoder score per pinned conversation (new-conversation placement)")
     queue_weight: float = Field(0.05, ge=0, description="score per request in flight")
