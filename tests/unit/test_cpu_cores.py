@@ -173,3 +173,23 @@ def test_without_cores_the_build_thread_gets_its_affinity_back() -> None:
     t.start()
     t.join()
     assert seen["after"] == mask
+
+
+def test_a_replica_pins_its_spec_to_the_slice_it_claimed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    from baton.engine import cpu_cores
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from deployments.pool import cores_for_this_replica
+
+    monkeypatch.setattr(cpu_cores, "default_lock_dir", lambda: tmp_path)
+    spec = spec_of(EngineConfig(model="m"), (0, 1), per_replica=1)
+    (first, a), (second, b) = cores_for_this_replica("decode", spec), cores_for_this_replica("decode", spec)
+    assert (first.cores, second.cores) == ((0,), (1,)) and first.env["OMP_NUM_THREADS"] == "1"
+    assert a is not None and b is not None
+    pinned = spec_of(EngineConfig(model="m"), (1,))
+    assert cores_for_this_replica("decode", pinned) == (pinned, None)  # one slice: already pinned, nothing claimed
+    a.release()
+    b.release()
