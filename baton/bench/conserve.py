@@ -162,9 +162,9 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "order": [f"r{rep}:{p}" for rep, p in order], "wall_s": time.monotonic() - t0,
         "summary": {p: {str(rate): {k: v.as_json() if isinstance(v, Spread) else v for k, v in row.items()} for rate, row in by.items()}
                     for p, by in summary.items()},
-        "headline": asdict(head), "reps": reps,
+        "headline": asdict(head), "result_line": head.result_line(), "reps": reps,
     }
-    (out_dir / "conserve.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "conserve.json").write_text(json.dumps(_clean(result), indent=1))
     from baton.bench.conserve_plot import plot
 
     plot(summary, cells, w.rates, TTFT_SLO_P95_S, out_dir / "conserve.png")
@@ -176,14 +176,15 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
 
 
 def _figures_json(f: LevelFigures) -> dict[str, Any]:
-    """LevelFigures as JSON (+inf as "inf")."""
-    def clean(x: Any) -> Any:
-        if isinstance(x, float) and x == float("inf"):
-            return "inf"
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, list | tuple):
-            return [clean(v) for v in x]
-        return x
+    return _clean(asdict(f))
 
-    return clean(asdict(f))
+
+def _clean(x: Any) -> Any:
+    """JSON has no infinity: +inf (a failure in a percentile, a ratio over one) is written "inf"."""
+    if isinstance(x, float) and x == float("inf"):
+        return "inf"
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x

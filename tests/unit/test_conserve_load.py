@@ -10,6 +10,7 @@ import statistics
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -186,3 +187,55 @@ def test_the_plot_is_drawn_with_failures_and_missing_levels(tmp_path: Path) -> N
              Cell(0, "colocated", 1.0, level_figures(runs[:1], 0))]
     path = plot(over_reps(cells), cells, [0.5, 1.0], 3.0, tmp_path / "c.png")
     assert path.stat().st_size > 1000
+
+
+def test_the_whole_bench_runs_on_fake_clusters_and_writes_strict_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """run() end to end with the clusters, the counters and the network faked: every repetition
+    in interleaved order, every level, the JSON (no bare Infinity) and the RESULT line."""
+    pytest.importorskip("matplotlib")
+    from baton.bench import cluster
+
+    started: list[str] = []
+
+    class FakeApp:
+        def __init__(self, args: dict, **_: object):
+            started.append(args["routing"]["policy"])
+
+        def __enter__(self) -> cluster.RunningApp:
+            return cluster.RunningApp(url="http://fake", start_seconds=1.0, log_path=tmp_path / "log")
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    counts = {"n": 0}
+
+    def settled(url: str) -> dict[str, int]:
+        counts["n"] += 1
+        return {"transfers": counts["n"], "bytes": 0, "planned_handoffs": 0, "prefill_fallback_local": 0, "placed_without_kv_room": 0}
+
+    server = Server(fail={("l1c0", 0)})
+    real = conserve.run_open_loop
+
+    async def open_loop(convs: list[Conversation], arrivals: list[float], url: str, **kw: Any) -> tuple[list[ConversationRun], float]:
+        return await real(convs, [a / 100 for a in arrivals], url, transport=httpx.MockTransport(server.handler), **kw)
+
+    monkeypatch.setattr(cluster, "LocalServeApp", FakeApp)
+    monkeypatch.setattr(conserve, "_settled", settled)
+    monkeypatch.setattr(conserve, "run_open_loop", open_loop)
+    monkeypatch.setattr(conserve, "build_trace", lambda w: [conv(f"l{k}c{i}") for k in range(2) for i in range(2)])
+    monkeypatch.setattr(conserve, "QUICK", conserve.Workload(reps=3, rates=(0.5, 2.0), per_level=2, user_turns=1, max_system_chars=1,
+                                                             max_tokens=4, think_s=0.0))
+    result = conserve.run(quick=True, out_dir=tmp_path)
+    assert started == list(conserve.POLICIES) * 3
+    doc = json.loads((tmp_path / "conserve.json").read_text(), parse_constant=lambda c: pytest.fail(f"bare {c} in the JSON"))
+    assert doc["order"][:5] == ["r0:conversation", "r0:per_turn_pd", "r0:conditional_pd", "r0:colocated", "r1:conversation"]
+    assert doc["layout"]["colocated"] == {"decode": {"engines": 2, "cpu_cores": [0, 1], "cpu_cores_per_replica": 1}}
+    assert set(doc["summary"]["conversation"]) == {"0.5", "2.0"} and len(doc["reps"]) == 12
+    # l1c0's first request ever (rep 0, conversation, the 2/s level) fails: +inf there, kept in the max
+    assert doc["summary"]["conversation"]["2.0"]["failed_conversations"] == 1
+    assert doc["summary"]["conversation"]["2.0"]["ttfet_p95_s"]["max"] == "inf"
+    assert doc["summary"]["colocated"]["2.0"]["failed_conversations"] == 0 and doc["headline"]["failed_conversations"] == 1
+    out = capsys.readouterr().out
+    assert "expected ~" in out and out.strip().splitlines()[-1] == result["result_line"]
+    assert result["result_line"].startswith("RESULT p95_ttfet_ratio_vs_per_turn_pd=")
