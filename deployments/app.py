@@ -118,7 +118,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     def spec(role: PoolRole, pool: PoolConfig) -> EngineSpec:
         on_gpu = pool.resources.num_gpus > 0
         return build_engine_spec(pool.engine, role=role, handoff=cfg.routing.disaggregated, model_path=model_path,
-                                 on_gpu=on_gpu, cache_root=cache_root, segments=cfg.memory is not None or cfg.realtime is not None)
+                                 on_gpu=on_gpu, cache_root=cache_root, segments=cfg.memory is not None or cfg.realtime is not None,
+                                 cpu_cores=pool.resources.cpu_cores, cores_per_replica=pool.resources.cpu_cores_per_replica)
 
     r = cfg.routing
     directory = ConversationDirectoryDeployment.bind(
@@ -131,6 +132,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
             weights=LoadWeights(pin_weight=r.pin_weight, queue_weight=r.queue_weight, kv_weight=1.0),
             # a restarted directory gets its pins back from the decoders' reports: give them two periods
             rebuild_grace_s=2.0 * cfg.decode.routing_stats_period_s,
+            conditional_pd_threshold_tokens=r.conditional_pd_threshold_tokens,
+            prefill_queue_limit_tokens=r.prefill_queue_limit_tokens,
         ),
         r.resolved_ownership_db_path(PROJECT_ROOT),
     )

@@ -167,7 +167,7 @@ class PoolBackend:
         says so). Ray failures come out translated; the engine request is cancelled unless it
         finished (failed, or closed early by the consumer). Its first delta's timing gains the
         ingress's stages (placed at `placed`, the remote prefill, the delta's arrival)."""
-        kv_params = await self._remote_prefill(request) if placement.remote_prefill else None
+        kv_params = await self._remote_prefill(request, placement.prefill_replica) if placement.remote_prefill else None
         prefilled = time.time() if placement.remote_prefill else None
         # the prefill engine injected the memories and its KV arrives over NIXL: the decoder
         # has nothing left to inject (the cache salt stays, so later turns hit that KV)
@@ -227,9 +227,10 @@ class PoolBackend:
             self._load_hint(plan)
         return Placement.of(plan, prefill_pool=self._prefill is not None, in_conversation=bool(request.session_id))
 
-    async def _remote_prefill(self, request: GenerationRequest) -> dict[str, Any] | None:
-        """Prefill on the prefill pool; returns the KV handle for the decoder, or None to make the
-        decoder prefill locally (a failed prefill never fails the turn)."""
+    async def _remote_prefill(self, request: GenerationRequest, target: str | None = None) -> dict[str, Any] | None:
+        """Prefill on the prefill pool (on `target`, the directory's choice, when it is alive);
+        returns the KV handle for the decoder, or None to make the decoder prefill locally (a
+        failed prefill never fails the turn)."""
         prefill_req = GenerationRequest(
             request_id=f"{request.request_id}-prefill",
             prompt_token_ids=request.prompt_token_ids,
@@ -239,6 +240,7 @@ class PoolBackend:
             kv_transfer_params={"do_remote_decode": True},
             memory=request.memory,
             cache_salt=request.cache_salt,
+            target_replica=target,
         )
         params = None
         done = False

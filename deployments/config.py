@@ -17,7 +17,7 @@ from memory_store.config import MemoryConfig
 from router.admission import AdmissionConfig
 from router.chat_admission import ChatAdmissionConfig
 from router.cliff import CliffAdmissionConfig
-from router.policy import DISAGGREGATED, Policy
+from router.policy import DEFAULT_CONDITIONAL_PD_THRESHOLD_TOKENS, DISAGGREGATED, Policy
 
 
 class _Strict(BaseModel):
@@ -51,6 +51,22 @@ class ResourcesConfig(_Strict):
     accelerator_type: str | None = Field(None, description="Ray accelerator type, e.g. H100 or L4 (GPU clusters)")
     custom: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica")
     memory_gib: float | None = Field(None, gt=0, description="Ray memory reservation per replica")
+    cpu_cores: tuple[int, ...] | None = Field(
+        None, min_length=1, description="CPU engines only (ignored on GPUs): core ids the pool's engines run on (their engine "
+        "thread and every thread it starts, NIXL's included); torch threads = one per core unless engine.cpu_threads is set. "
+        "None: not pinned")
+    cpu_cores_per_replica: int | None = Field(
+        None, ge=1, description="cut cpu_cores into slices of this many; each replica takes a free slice at start "
+        "(baton/engine/cpu_cores.py). None: every replica runs on all of cpu_cores")
+
+    @model_validator(mode="after")
+    def _cores(self) -> ResourcesConfig:
+        cores = self.cpu_cores or ()
+        if any(c < 0 for c in cores) or len(set(cores)) != len(cores):
+            raise ValueError(f"cpu_cores must be distinct core ids >= 0, not {list(cores)}")
+        if self.cpu_cores_per_replica is not None and (not cores or self.cpu_cores_per_replica > len(cores)):
+            raise ValueError("cpu_cores_per_replica needs cpu_cores with at least that many cores")
+        return self
 
 
 class PoolConfig(_Strict):
@@ -123,9 +139,18 @@ class RoutingConfig(_Strict):
     policy: Policy = Field(
         "conversation",
         description="conversation: first turn prefilled on the prefill pool, KV moved once (NIXL), later turns pinned to "
-        "that decoder; per_turn_pd: remote prefill + KV transfer every turn; colocated: whole requests on the decode "
+        "that decoder; per_turn_pd: remote prefill + KV transfer every turn; conditional_pd: pinned like conversation, "
+        "each turn prefilled on the prefill pool only when its uncached suffix exceeds conditional_pd_threshold_tokens "
+        "(llm-d's P/D decider, Dynamo's conditional disaggregation); colocated: whole requests on the decode "
         "pool with conversation affinity; round_robin: whole requests, rotating",
     )
+    conditional_pd_threshold_tokens: int = Field(
+        DEFAULT_CONDITIONAL_PD_THRESHOLD_TOKENS, ge=0, description="conditional_pd: prompt tokens the decoder does not hold for "
+        "the conversation above which a turn is prefilled on the prefill pool; at or below it, on the decoder")
+    prefill_queue_limit_tokens: int = Field(
+        16384, ge=0, description="disaggregated policies: when every prefill replica has more prompt tokens queued than this "
+        "and the chosen decoder is idle (nothing waiting, at most conditional_pd_threshold_tokens queued), the turn is "
+        "prefilled on the decoder instead (counted as prefill_fallback_local in /baton/stats)")
     conversation_ttl_s: float = Field(1800.0, gt=0, description="idle conversations lose their pin after this")
     pin_weight: float = Field(0.02, ge=0, description="decoder score per pinned conversation (new-conversation placement)")
     queue_weight: float = Field(0.05, ge=0, description="score per request in flight")

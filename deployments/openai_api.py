@@ -199,7 +199,7 @@ def _memory_routes(app: FastAPI, memory: MemoryFrontend) -> None:
 
 def _conversation_routes(app: FastAPI, end_conversation: EndConversation, describe: DescribeConversation | None) -> None:
     """DELETE /v1/conversations/{id}: the owner ends a conversation; GET: the owner sees its
-    decoder, turns, handoffs and context (router/directory_state.ConversationInfo). 404 (the
+    decoder, turns, handoffs and context (router/conversation_info.ConversationInfo). 404 (the
     same body) for one that is someone else's or nobody's; 503 with Retry-After when the
     directory cannot answer."""
 

@@ -13,6 +13,7 @@ from ray import serve
 from ray.serve import metrics
 
 from baton.engine.args import EngineSpec
+from baton.engine.cpu_cores import CoreClaim, claim_cores
 from baton.engine.realtime.manager import RealtimeSessions, UnknownSession
 from baton.engine.realtime.messages import RealtimeClose, RealtimeOpen, RealtimeTick, TickResult
 from baton.engine.runner import EngineRunner
@@ -37,6 +38,7 @@ class EngineReplica:
         self._directory = directory
         self._held = HeldConversations()  # conversations served here: rebuilds a restarted directory's pins
         t0 = time.monotonic()
+        spec, self._cores = cores_for_this_replica(pool, spec)
         with serve_logging_kept():  # vLLM and NIXL reconfigure logging while the engine is built
             self._runner = EngineRunner(engine_spec_for_this_replica(spec), engine_factory=engine_factory_for(spec))
         self.start_seconds = time.monotonic() - t0
@@ -168,6 +170,15 @@ class EngineReplica:
         runner = getattr(self, "_runner", None)
         if runner is not None:
             runner.shutdown()
+
+
+def cores_for_this_replica(pool: str, spec: EngineSpec) -> tuple[EngineSpec, CoreClaim | None]:
+    """The spec on the slice of the pool's cores this replica claimed (held while the claim lives)."""
+    if spec.cpu is None or spec.cores:
+        return spec, None
+    claim = claim_cores(pool, spec.cpu)
+    logger.info("pool %s: engine on cores %s", pool, claim.cores)
+    return spec.pinned_to(claim.cores), claim
 
 
 def engine_spec_for_this_replica(spec: EngineSpec) -> EngineSpec:

@@ -6,6 +6,7 @@ this ingress may have no prefill pool. `Placement` is the one value that says wh
 
   decode_replica  the decoder to target; None: let the Serve router place the turn by load
   remote_prefill  prefill on the prefill pool first (only when the plan asks and a pool exists)
+  prefill_replica the prefill replica to target (the directory's choice); None: by load
   turn_index      the turn's index in its conversation (for per-turn metrics); None outside one
   reason          the plan's reason, or "by_load" when there is no plan
 """
@@ -24,6 +25,7 @@ class Placement:
     remote_prefill: bool
     turn_index: int | None
     reason: str
+    prefill_replica: str | None = None
 
     @classmethod
     def by_load(cls) -> Placement:
@@ -38,4 +40,5 @@ class Placement:
             remote_prefill=plan.remote_prefill and prefill_pool,
             turn_index=plan.turn_index if in_conversation else None,
             reason=plan.reason,
+            prefill_replica=plan.prefill_replica if plan.remote_prefill and prefill_pool else None,
         )

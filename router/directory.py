@@ -34,6 +34,9 @@ class ConversationDirectory:
         self._live_pins = metrics.Gauge("baton_live_pins", "conversations pinned to a decoder")
         self._conversations = metrics.Counter("baton_conversations", "conversations seen")
         self._handoffs = metrics.Counter("baton_planned_handoffs", "turns prefilled on the prefill pool with a KV handoff")
+        self._fallbacks = metrics.Counter(
+            "baton_prefill_fallback_local", "turns planned for the prefill pool but prefilled on their idle decoder: every prefill "
+            "replica had more than routing.prefill_queue_limit_tokens queued")
         self._occupancy = metrics.Gauge("baton_decoder_kv_usage", "KV occupancy of each decode replica", tag_keys=("decoder",))
         self._pinned = metrics.Gauge("baton_decoder_pinned_conversations", "conversations pinned to each decode replica", tag_keys=("decoder",))
         self._kv_in = metrics.Gauge(
@@ -87,10 +90,12 @@ class ConversationDirectory:
         (a real-time WebSocket): pinned like a conversation, never written to the ownership store.
         cliff_horizon_s: a new session avoids decoders whose KV cliff is that close (real-time)."""
         self._ensure_expiry()
-        before = self._state.totals["conversations"]
+        before, fallbacks = self._state.totals["conversations"], self._state.totals["prefill_fallback_local"]
         plan = self._state.route(session_id, user, prompt_tokens, time.monotonic(), owned=owned, cliff_horizon_s=cliff_horizon_s)
         if self._state.totals["conversations"] > before:
             self._conversations.inc()
+        if self._state.totals["prefill_fallback_local"] > fallbacks:
+            self._fallbacks.inc()
         if plan.remote_prefill:
             self._handoffs.inc()
         self._live_pins.set(sum(self._state.pinned_counts().values()))

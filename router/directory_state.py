@@ -24,8 +24,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from router.cliff import CliffForecast, forecast_cliff, within_horizon
+from router.conversation_info import ConversationInfo
+from router.directory_loads import decoder_loads, prefill_loads
 from router.ownership import Claim, KnownOwners, OwnershipStore
-from router.policy import DISAGGREGATED, NoReplicaAvailable, Policy, TurnPlan, plan_turn
+from router.placement import choose_prefill, decoder_idle
+from router.policy import DEFAULT_CONDITIONAL_PD_THRESHOLD_TOKENS, DISAGGREGATED, PINNING, NoReplicaAvailable, Policy, TurnPlan, plan_turn
 from router.report import ReplicaReport
 from router.scoring import LoadWeights, ReplicaLoad
 
@@ -61,26 +64,6 @@ class Pin:
 
 
 @dataclass(frozen=True)
-class ConversationInfo:
-    """What GET /v1/conversations/{id} tells the owner (DirectoryState.describe)."""
-
-    session_id: str
-    decoder: str
-    turns: int  # turns placed (a rebuilt pin counts the turns this directory has seen)
-    handoffs: int  # KV handoffs from the prefill pool
-    context_tokens: int  # the last turn's prompt tokens (0: not known since a directory restart)
-    resident: bool  # the decoder's latest report lists it: its KV is held there (in use or cached)
-    idle_s: float
-    age_s: float
-    adopted: bool  # the pin was rebuilt from the decoder's report after a directory restart
-
-    def as_json(self) -> dict[str, Any]:
-        return {"id": self.session_id, "object": "conversation", "decoder": self.decoder, "turns": self.turns,
-                "handoffs": self.handoffs, "context_tokens": self.context_tokens, "resident": self.resident,
-                "idle_s": round(self.idle_s, 3), "age_s": round(self.age_s, 3), "adopted": self.adopted}
-
-
-@dataclass(frozen=True)
 class DirectorySettings:
     policy: Policy = "colocated"
     conversation_ttl_s: float = 1800.0
@@ -90,6 +73,11 @@ class DirectorySettings:
     # after a (re)start, how long an existing conversation without a pin waits for the decoders'
     # reports to restore it (about two report periods); 0 places it at once
     rebuild_grace_s: float = 0.0
+    # conditional_pd: prefill remotely only when the uncached suffix is longer (router/policy.py)
+    conditional_pd_threshold_tokens: int = DEFAULT_CONDITIONAL_PD_THRESHOLD_TOKENS
+    # every prefill replica has more prompt tokens queued than this while the decoder is idle:
+    # the decoder prefills the turn itself (totals["prefill_fallback_local"])
+    prefill_queue_limit_tokens: int = 16384
 
 
 class DirectoryState:
@@ -147,21 +135,17 @@ class DirectoryState:
 
     def _decoder_loads(self, now: float) -> list[ReplicaLoad]:
         # under per-turn policies a conversation's last decoder is not a commitment: no pin load
-        pinned = self.pinned_counts() if self.settings.policy in ("conversation", "colocated") else Counter()
-        loads = []
-        for r in self.live("decode", now):
-            capacity = r.kv_capacity_tokens
-            turns, tokens = self._unreported.get(r.replica_id, (0, 0))
-            loads.append(
-                ReplicaLoad(
-                    replica_id=r.replica_id,
-                    kv_usage=r.kv_usage + (tokens / capacity if capacity else 0.0),
-                    kv_capacity_tokens=capacity,
-                    in_flight=r.in_flight + turns,
-                    pinned=pinned.get(r.replica_id, 0),
-                )
-            )
-        return loads
+        pins = list(self._pins.values()) if self.settings.policy in PINNING else []
+        return decoder_loads(self.live("decode", now), self._unreported, pins)
+
+    def _prefill_for(self, plan: TurnPlan, now: float) -> str | None:
+        """The prefill replica for a planned remote prefill, or None: prefill on the decoder."""
+        s = self.settings
+        d = self._replicas[plan.decode_replica].report
+        idle = decoder_idle(d.num_waiting, d.pending_prefill_tokens + self._unreported.get(d.replica_id, (0, 0))[1],
+                            s.conditional_pd_threshold_tokens)
+        return choose_prefill(prefill_loads(self.live("prefill", now), self._unreported), decoder_idle=idle,
+                              limit_tokens=s.prefill_queue_limit_tokens)
 
     def cliff_forecast(self, replica_id: str) -> CliffForecast | None:
         """The KV cliff forecast of a decoder from its latest report, made when it arrived."""
@@ -212,8 +196,21 @@ class DirectoryState:
             prefill_available=bool(self.live("prefill", now)) and s.policy in DISAGGREGATED,
             rr_counter=self._rr,
             w=s.weights,
+            held_tokens=pin.prompt_tokens if pin else 0,
+            threshold_tokens=s.conditional_pd_threshold_tokens,
         )
         self._rr += 1
+        if plan.kv_overflow:
+            self.totals["placed_without_kv_room"] += 1
+        if plan.remote_prefill:
+            prefill = self._prefill_for(plan, now)
+            if prefill is None:
+                self.totals["prefill_fallback_local"] += 1
+                plan = replace(plan, remote_prefill=False)
+            else:
+                turns, tokens = self._unreported.get(prefill, (0, 0))
+                self._unreported[prefill] = (turns + 1, tokens + prompt_tokens)
+                plan = replace(plan, prefill_replica=prefill)
         turns, tokens = self._unreported.get(plan.decode_replica, (0, 0))
         self._unreported[plan.decode_replica] = (turns + 1, tokens + prompt_tokens)
         self.totals["turns"] += 1
@@ -319,6 +316,8 @@ class DirectoryState:
             "live_pins": len(self._pins),
             "conversations_total": self.totals["conversations"],
             "handoffs_planned_total": self.totals["planned_handoffs"],
+            "prefill_fallback_local_total": self.totals["prefill_fallback_local"],
+            "placed_without_kv_room_total": self.totals["placed_without_kv_room"],
             "handoffs_per_live_conversation": (handoffs / len(convs)) if convs else 0.0,
             "turns_total": self.totals["turns"],
             "owners_cached": len(self._owners),

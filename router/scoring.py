@@ -26,6 +26,9 @@ class ReplicaLoad:
     in_flight: int = 0  # requests in flight (router/engine view, whichever is larger)
     pending_prefill_tokens: int = 0  # prompt tokens queued or being prefilled (engine-reported)
     pinned: int = 0  # conversations currently pinned to it (directory view)
+    # fraction of the KV pool its pinned conversations' contexts hold (directory view, at most
+    # the engine-reported kv_resident: KV in use or cached); what a new conversation cannot take
+    kv_held: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,14 @@ class LoadWeights:
 def projected_kv(load: ReplicaLoad, prompt_tokens: int = 0) -> float:
     """KV occupancy after admitting a prompt of `prompt_tokens` (kv_usage when capacity is unknown)."""
     return load.kv_usage + (prompt_tokens / load.kv_capacity_tokens if load.kv_capacity_tokens else 0.0)
+
+
+def kv_fits(load: ReplicaLoad, prompt_tokens: int) -> bool:
+    """The prompt's KV fits beside what the replica has in use or holds for its pinned
+    conversations (always, when the capacity is unknown)."""
+    if not load.kv_capacity_tokens:
+        return True
+    return max(load.kv_usage, load.kv_held) + prompt_tokens / load.kv_capacity_tokens <= 1.0
 
 
 def load_score(load: ReplicaLoad, w: LoadWeights, prompt_tokens: int = 0) -> float:

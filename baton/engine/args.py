@@ -3,11 +3,12 @@ kv_transfer_config), or a simulated engine's settings (`engine.kind: simulated`)
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from baton.engine.checkpoints.config import CheckpointConfig
 from baton.engine.config import EngineConfig
+from baton.engine.cpu_cores import CpuCores, core_slices
 from baton.engine.simulated.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, SimulatedSpec
 from kv_transfer.config import PoolRole, kv_transfer_engine_arg
 
@@ -17,12 +18,24 @@ GIB = 1 << 30
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything needed to start one engine: EngineArgs kwargs plus the process environment it
-    needs, or (simulated set, engine_kwargs empty) a simulated engine's settings."""
+    needs, or (simulated set, engine_kwargs empty) a simulated engine's settings.
+
+    cpu: the pool's CPU cores (None: not pinned; always None on GPUs); cores: the ones this
+    engine runs on, once chosen (`pinned_to`: at build time when the pool has one slice, else by
+    the replica that claimed a slice, baton/engine/cpu_cores.py)."""
 
     engine_kwargs: dict[str, Any]
     env: dict[str, str]
     model_path: str
     simulated: SimulatedSpec | None = None
+    cpu: CpuCores | None = None
+    cores: tuple[int, ...] = ()
+
+    def pinned_to(self, cores: tuple[int, ...]) -> EngineSpec:
+        """This spec on `cores`: torch/OMP threads = cpu_threads when set, else one per core."""
+        if self.cpu is None:
+            raise ValueError("the pool has no cpu_cores")
+        return replace(self, cores=tuple(cores), env={**self.env, "OMP_NUM_THREADS": str(self.cpu.threads_for(tuple(cores)))})
 
 
 def resolve_model_path(model: str, model_cache: str) -> str:
@@ -55,9 +68,12 @@ def build_engine_spec(
     on_gpu: bool,
     cache_root: str,
     segments: bool = False,
+    cpu_cores: tuple[int, ...] | None = None,
+    cores_per_replica: int | None = None,
 ) -> EngineSpec:
     """Pure: EngineArgs kwargs and environment for one engine of a pool. `handoff`: the engine
-    takes part in a KV handoff between pools (decided by the caller from its routing policy)."""
+    takes part in a KV handoff between pools (decided by the caller from its routing policy).
+    cpu_cores / cores_per_replica: the pool's resources.cpu_cores (ignored on GPUs)."""
     if cfg.kind == "simulated":
         return simulated_engine_spec(cfg, role=role, handoff=handoff, model_path=model_path)
     kwargs: dict[str, Any] = {
@@ -101,7 +117,14 @@ def build_engine_spec(
     if not on_gpu:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind
         env["OMP_NUM_THREADS"] = str(cfg.cpu_threads)
-    return EngineSpec(engine_kwargs=kwargs, env=env, model_path=model_path)
+    spec = EngineSpec(engine_kwargs=kwargs, env=env, model_path=model_path)
+    if on_gpu or not cpu_cores:
+        return spec
+    # cpu_threads counts only when the user wrote it; otherwise one torch thread per core
+    threads = cfg.cpu_threads if "cpu_threads" in cfg.model_fields_set else None
+    cpu = CpuCores(core_slices(tuple(cpu_cores), cores_per_replica), threads)
+    spec = replace(spec, cpu=cpu)
+    return spec.pinned_to(cpu.slices[0]) if len(cpu.slices) == 1 else spec
 
 
 def simulated_engine_spec(cfg: EngineConfig, *, role: PoolRole, handoff: bool, model_path: str) -> EngineSpec:

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from baton.engine.args import EngineSpec
+from baton.engine.cpu_cores import pin_threads, thread_ids
 
 logger = logging.getLogger("baton.engine")
 
@@ -20,26 +23,38 @@ def apply_engine_environment(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
+@contextmanager
+def engine_thread_affinity(spec: EngineSpec) -> Iterator[None]:
+    """Around an engine build on this thread: on `spec.cores` when it names them (set before, so
+    the threads the build starts inherit them, and set again after on this thread and every
+    thread the build started: NIXL's CPU worker pins its caller to the machine's last core); else
+    this thread gets back the affinity it had, unless vLLM binds threads on purpose."""
+    cpus = tuple(spec.cores) or tuple(os.sched_getaffinity(0))
+    before = thread_ids()
+    if spec.cores:
+        os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        if spec.cores:
+            pin_threads({threading.get_native_id()} | (thread_ids() - before), cpus)
+        elif spec.env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind") == "nobind":
+            os.sched_setaffinity(0, cpus)
+
+
 def build_vllm_engine(spec: EngineSpec) -> Any:
     """`LLMEngine.from_engine_args(EngineArgs(**spec.engine_kwargs))`, keeping this thread's
-    torch thread count and CPU affinity as the spec asks."""
-    cpus = os.sched_getaffinity(0)
-    threads = spec.env.get("OMP_NUM_THREADS")
-    if threads:  # OMP_NUM_THREADS only counts if torch was not imported yet; make it hold
-        import torch
+    torch thread count and CPU affinity as the spec asks (engine_thread_affinity)."""
+    with engine_thread_affinity(spec):
+        threads = spec.env.get("OMP_NUM_THREADS")
+        if threads:  # OMP_NUM_THREADS only counts if torch was not imported yet; make it hold
+            import torch
 
-        torch.set_num_threads(int(threads))
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.llm_engine import LLMEngine
+            torch.set_num_threads(int(threads))
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
 
-    try:
         return LLMEngine.from_engine_args(EngineArgs(**spec.engine_kwargs))
-    finally:
-        # NIXL's CPU worker pins the thread that builds the engine to the last core; with
-        # several engines on a machine they would all share it. Keep our own mask unless
-        # vLLM binds threads on purpose.
-        if spec.env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind") == "nobind":
-            os.sched_setaffinity(0, cpus)
 
 
 def engine_factory_for(spec: EngineSpec) -> Callable[[EngineSpec], Any]:

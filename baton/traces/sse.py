@@ -64,7 +64,7 @@ class ReplyCall:
 
 @dataclass
 class StreamAccumulator:
-    """The state of one streamed reply: status, text so far, first-token time, usage, error."""
+    """The state of one streamed reply: status, text so far, first-token and chunk times, usage, error."""
 
     status: int | None = None  # HTTP status, once the response headers arrived
     text_parts: list[str] = field(default_factory=list)
@@ -73,6 +73,7 @@ class StreamAccumulator:
     error: str | None = None
     done: bool = False
     calls: dict[int, list[str]] = field(default_factory=dict)  # index -> [id, name, arguments]
+    chunk_times: list[float] = field(default_factory=list)  # when each chunk with content or a call piece arrived
 
     def feed(self, event: SseEvent, now: float) -> None:
         if event.done:
@@ -94,6 +95,8 @@ class StreamAccumulator:
             pieces = delta.get("tool_calls") or []
             if (content or pieces) and self.first_token_at is None:
                 self.first_token_at = now
+            if content or pieces:
+                self.chunk_times.append(now)
             if content:
                 self.text_parts.append(content)
             for position, piece in enumerate(pieces):

@@ -205,6 +205,8 @@ POLICY_RULES: list[tuple[str, Any, str | None]] = [
     ("per_turn_pd", {"num_replicas": 3}, None),
     ("per_turn_pd", "absent", "routing.policy 'per_turn_pd' prefills on the prefill pool"),
     ("per_turn_pd", {"num_replicas": 0}, "routing.policy 'per_turn_pd' prefills on the prefill pool"),
+    ("conditional_pd", {"num_replicas": 1}, None),
+    ("conditional_pd", "absent", "routing.policy 'conditional_pd' prefills on the prefill pool"),
     ("colocated", "absent", None),
     ("colocated", {"num_replicas": 0}, None),
     ("colocated", {"num_replicas": 1}, "routing.policy 'colocated' serves whole requests on the decode pool"),
@@ -225,7 +227,7 @@ def test_the_policy_decides_whether_a_prefill_pool_runs(policy: str, prefill: An
     if error is None:
         cfg = load_app_config(args)
         assert cfg.routing.policy == policy
-        assert cfg.routing.disaggregated == (policy in ("conversation", "per_turn_pd"))
+        assert cfg.routing.disaggregated == (policy in ("conversation", "per_turn_pd", "conditional_pd"))
         assert (cfg.prefill is None) == (prefill == "absent")
     else:
         message = config_error(args)
@@ -244,7 +246,7 @@ def test_an_unused_prefill_pool_must_still_serve_the_same_model() -> None:
     assert "same model" in config_error(args)
 
 
-@pytest.mark.parametrize("policy", ["conversation", "per_turn_pd", "colocated", "round_robin"])
+@pytest.mark.parametrize("policy", ["conversation", "per_turn_pd", "conditional_pd", "colocated", "round_robin"])
 def test_decode_must_run_under_every_policy(policy: str) -> None:
     args = minimal_args(routing={"policy": policy})
     args["decode"]["num_replicas"] = 0
@@ -255,15 +257,16 @@ def test_decode_must_run_under_every_policy(policy: str) -> None:
 
 @pytest.mark.parametrize(
     "field, value",
-    [("conversation_ttl_s", 0), ("replica_stale_after_s", 0), ("pin_weight", -0.1), ("queue_weight", -1), ("kv_weight", -1), ("prefill_token_weight", -1e-3)],
+    [("conversation_ttl_s", 0), ("replica_stale_after_s", 0), ("conditional_pd_threshold_tokens", -1), ("prefill_queue_limit_tokens", -1),
+     ("pin_weight", -0.1), ("queue_weight", -1), ("kv_weight", -1), ("prefill_token_weight", -1e-3)],
 )
 def test_routing_numbers_are_bounded(field: str, value: float) -> None:
     assert f"routing.{field}:" in config_error(minimal_args(routing={field: value}))
 
 
 def test_routing_disaggregated_property() -> None:
-    assert {p: RoutingConfig(policy=p).disaggregated for p in ("conversation", "per_turn_pd", "colocated", "round_robin")} == {  # type: ignore[arg-type]
-        "conversation": True, "per_turn_pd": True, "colocated": False, "round_robin": False,
+    assert {p: RoutingConfig(policy=p).disaggregated for p in ("conversation", "per_turn_pd", "conditional_pd", "colocated", "round_robin")} == {  # type: ignore[arg-type]
+        "conversation": True, "per_turn_pd": True, "conditional_pd": True, "colocated": False, "round_robin": False,
     }
 
 

@@ -19,7 +19,7 @@ __all__ = ["make_state"]  # the fixture, used by name
 # ---- bursts: the projection of turns routed since the last report -------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["conversation", "colocated", "per_turn_pd"])
+@pytest.mark.parametrize("policy", ["conversation", "colocated", "per_turn_pd", "conditional_pd"])
 def test_a_burst_of_new_conversations_spreads_over_equally_loaded_decoders(make_state: MakeState, policy: str) -> None:
     # no pin penalty: only the projection of unreported turns tells the decoders apart
     state = make_state(policy, weights=LoadWeights(pin_weight=0.0, queue_weight=0.05))
@@ -115,7 +115,7 @@ def test_check_integrity_catches_a_corrupted_pin(make_state: MakeState) -> None:
     state._pins["s"].turns = 1
 
 
-@pytest.mark.parametrize("policy", ["conversation", "per_turn_pd", "colocated", "round_robin"])
+@pytest.mark.parametrize("policy", ["conversation", "per_turn_pd", "conditional_pd", "colocated", "round_robin"])
 @pytest.mark.parametrize("seed", range(5))
 def test_random_traffic_keeps_the_invariants(make_state: MakeState, policy: str, seed: int) -> None:
     """Reports, turns, fallbacks, failures, expiry and ends in random order; invariants after each."""

@@ -69,7 +69,7 @@ def test_handoff_engines_get_the_nixl_connector_in_their_kwargs(role: PoolRole, 
     assert kv.get("kv_load_failure_policy") == "recompute"  # a failed pull is recomputed, the request succeeds
 
 
-@pytest.mark.parametrize("policy", ["conversation", "per_turn_pd", "colocated", "round_robin"])
+@pytest.mark.parametrize("policy", ["conversation", "per_turn_pd", "conditional_pd", "colocated", "round_robin"])
 def test_build_app_gives_engines_a_handoff_exactly_under_disaggregated_policies(
     policy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

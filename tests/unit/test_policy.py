@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from router.policy import DISAGGREGATED, NoReplicaAvailable, TurnPlan, choose_decoder, plan_turn
-from router.scoring import LoadWeights, ReplicaLoad, load_score
+from router.scoring import LoadWeights, ReplicaLoad, kv_fits, load_score
 
 W = LoadWeights()
 CAP = 10_000  # tokens each decoder's KV pool holds in these scenarios
@@ -31,7 +31,7 @@ def plan(policy: str, *, pinned: str | None = None, decoders: list[ReplicaLoad] 
 
 
 def test_disaggregated_policies() -> None:
-    assert DISAGGREGATED == {"conversation", "per_turn_pd"}
+    assert DISAGGREGATED == {"conversation", "per_turn_pd", "conditional_pd"}
 
 
 # ---- plan_turn: a table per policy -------------------------------------------------------------------
@@ -143,7 +143,8 @@ def test_choose_decoder_of_nothing_is_no_replica_available() -> None:
 
 @pytest.mark.parametrize("seed", range(20))
 def test_the_chosen_decoder_always_has_the_minimal_score(seed: int) -> None:
-    """Property-style (hypothesis is not installed here): 100 random cases per seed."""
+    """Property-style (hypothesis is not installed here): 100 random cases per seed. Minimal
+    among the decoders the prompt fits (kv_fits), or among all when it fits none."""
     rng = random.Random(seed)
     for _ in range(100):
         ids = rng.sample([f"d{i}" for i in range(12)], rng.randint(1, 6))
@@ -154,7 +155,8 @@ def test_the_chosen_decoder_always_has_the_minimal_score(seed: int) -> None:
         w = LoadWeights(pin_weight=rng.choice([0.0, 0.02, 0.1]), queue_weight=rng.choice([0.0, 0.05]))
         prompt = rng.choice([0, 100, 4_000])
         chosen = choose_decoder(decoders, prompt, w)
-        scores = {d.replica_id: load_score(d, w, prompt) for d in decoders}
+        room = [d for d in decoders if kv_fits(d, prompt)] or decoders
+        scores = {d.replica_id: load_score(d, w, prompt) for d in room}
         best = min(scores.values())
         case = (decoders, w, prompt, chosen)
         assert scores[chosen] == best, case
