@@ -74,8 +74,8 @@ def lone_surrogate_at(data: Any) -> str | None:
                 if _SURROGATE.search(k):
                     return f"{path}.<a key>" if path else "<a key>"  # never echo the bad text
                 stack.append((v, f"{path}.{k}" if path else k))
-        elif isinstance(value, list):
-            stack.extend((v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value))
+        elif isinstance(value, list):  # numbers (a token-id prompt) hold no strings: not walked
+            stack.extend((v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value) if isinstance(v, (str, dict, list)))
     return None
 
 

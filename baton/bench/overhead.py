@@ -2,12 +2,16 @@
 prompts, the same closed-loop concurrency, one after the other in one run (each phase in its own
 process, one engine at a time, so they do not share the 2 cores).
 
-bare  : vLLM's LLMEngine driven directly in one process (no HTTP, no Ray).
+bare  : vLLM's LLMEngine driven directly in one process (no HTTP, no Ray): the RESULT's baseline.
+serve : `vllm serve` (vLLM's own OpenAI server, AsyncLLM) with the same engine arguments, over
+        HTTP with the same client: what a user running vLLM alone gets, a second baseline.
 baton : `ray start` + `serve run` of a Baton config with one decode engine replica, over HTTP
         (/v1/completions with token-id prompts, SSE), the client in this process.
-Both get the same warm-up requests first, then two passes: the prompts one at a time
-(concurrency 1: the per-request overhead alone) and at the closed-loop concurrency (the RESULT's
-ratios). Every Baton request's Server-Timing header gives its hops (deployments/hop_timing.py);
+Both get the same warm-up requests first, then two passes over the same prompts in the same
+order: at the closed-loop concurrency (the RESULT's ratios), then one at a time (concurrency 1:
+the per-request overhead alone). The concurrency-1 pass comes second so that every one of its
+requests meets the same cache state in both phases (its prompts' prefixes already cached), and
+its median is over all the prompts, not a cold/warm mix. Every Baton request's Server-Timing header gives its hops (deployments/hop_timing.py);
 `outside` = the client's TTFT minus the server's `total` (the HTTP proxy both ways and the
 client). The breakdown is the median of each hop over a pass's requests.
 """
@@ -27,7 +31,6 @@ from baton.paths import REPO_ROOT, SAMPLE_TRACES
 
 ROOT = REPO_ROOT
 TRACE = SAMPLE_TRACES / "agentic_small.jsonl"
-SINGLE = 6  # prompts of the concurrency-1 pass
 
 
 def build_prompts(model_path: str, n: int) -> list[list[int]]:
@@ -71,8 +74,8 @@ def _bare_phase(model_path: str, prompts: list[list[int]], max_tokens: int, conc
         engine.add_request(f"w{i}", {"prompt_token_ids": ids}, params)
         while engine.has_unfinished_requests():
             engine.step()
-    single = _bare_loop(engine, params, prompts[:SINGLE], max_tokens, 1, "s")
     timings, wall = _bare_loop(engine, params, prompts, max_tokens, concurrency, "r")
+    single = _bare_loop(engine, params, prompts, max_tokens, 1, "s")
     out.put({"summary": asdict(summarize_phase("bare_vllm", timings, wall)), "single": asdict(summarize_phase("bare_vllm_c1", *single)),
              "start_s": start_s, "rss_bytes": _rss()})
 
@@ -112,11 +115,67 @@ def _baton_phase(model_path: str, prompts: list[list[int]], max_tokens: int, con
         url = f"{app.url}/v1/completions"
         rss = replica_rss_bytes("decode")
         asyncio.run(_http_closed_loop(url, warmup, max_tokens, 1))
-        single_t, single_wall, single_hops = asyncio.run(_http_closed_loop(url, prompts[:SINGLE], max_tokens, 1))
         timings, wall, hops = asyncio.run(_http_closed_loop(url, prompts, max_tokens, concurrency))
+        single_t, single_wall, single_hops = asyncio.run(_http_closed_loop(url, prompts, max_tokens, 1))
     return {"summary": asdict(summarize_phase("baton", timings, wall)), "single": asdict(summarize_phase("baton_c1", single_t, single_wall)),
             "hops": hop_breakdown(hops), "hops_single": hop_breakdown(single_hops), "start_s": app.start_seconds,
             "rss_bytes": rss[0] if rss else 0}
+
+
+def vllm_serve_argv(spec: Any, port: int) -> list[str]:
+    """`vllm serve` with the engine arguments the bare and Baton phases use (EngineSpec kwargs)."""
+    kw = spec.engine_kwargs
+    argv = ["vllm", "serve", kw["model"], "--port", str(port), "--host", "127.0.0.1", "--tokenizer", kw["tokenizer"],
+            "--served-model-name", "SmolLM2-135M-Instruct", "--max-model-len", str(kw["max_model_len"]), "--dtype", kw["dtype"],
+            "--max-num-seqs", str(kw["max_num_seqs"]), "--seed", str(kw["seed"]), "--kv-cache-memory-bytes", str(kw["kv_cache_memory_bytes"])]
+    argv += ["--enforce-eager"] if kw["enforce_eager"] else []
+    argv += ["--enable-prefix-caching"] if kw["enable_prefix_caching"] else ["--no-enable-prefix-caching"]
+    return argv
+
+
+def _vllm_serve_phase(model_path: str, prompts: list[list[int]], max_tokens: int, concurrency: int, warmup: list[list[int]],
+                      log_path: Path, port: int = 28100, start_timeout_s: float = 600) -> dict[str, Any]:
+    """vLLM's own server, started as a process group and stopped with it; the same passes."""
+    import signal
+    import subprocess
+
+    import httpx
+
+    from baton.engine.args import build_engine_spec
+
+    spec = build_engine_spec(_engine_config(8192), role="decode", handoff=False, model_path=model_path, on_gpu=False, cache_root=str(ROOT / ".cache"))
+    env = {**os.environ, **spec.env}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's server runs its engine core the way it always does
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(vllm_serve_argv(spec, port), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}; see {log_path}")
+            if time.monotonic() - t0 > start_timeout_s:
+                raise RuntimeError(f"vllm serve not healthy within {start_timeout_s:.0f}s; see {log_path}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        start_s = time.monotonic() - t0
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        asyncio.run(_http_closed_loop(url, warmup, max_tokens, 1))
+        timings, wall, _ = asyncio.run(_http_closed_loop(url, prompts, max_tokens, concurrency))
+        single_t, single_wall, _ = asyncio.run(_http_closed_loop(url, prompts, max_tokens, 1))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return {"summary": asdict(summarize_phase("vllm_serve", timings, wall)), "single": asdict(summarize_phase("vllm_serve_c1", single_t, single_wall)),
+            "start_s": start_s}
 
 
 def hop_breakdown(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -189,11 +248,14 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     model_path = resolve_model_path("SmolLM2-135M-Instruct", str(ROOT / ".cache" / "models"))
     n, max_tokens, concurrency = (12, 32, 4) if quick else (32, 64, 8)
     prompts = build_prompts(model_path, n)
+    out_dir.mkdir(parents=True, exist_ok=True)
     print(f"[overhead] {n} prompts ({sum(map(len, prompts)) // n} tokens mean), max_tokens={max_tokens}, concurrency={concurrency}")
     # warm-up: two short prompts, unrelated to the measured ones (no prefix-cache effect)
     warmup = [list(range(1000, 1100)), list(range(2000, 2050))]
     bare = _in_child(_bare_phase, model_path, prompts, max_tokens, concurrency, warmup)
     print(f"[overhead] bare vLLM : {bare['summary']}")
+    served = _vllm_serve_phase(model_path, prompts, max_tokens, concurrency, warmup, out_dir / "vllm-serve.log")
+    print(f"[overhead] vllm serve: {served['summary']}")
     baton = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup)
     print(f"[overhead] Baton     : {baton['summary']}")
     print(f"[overhead] Baton hops at concurrency 1 (median s): {baton['hops_single']}")
@@ -205,38 +267,45 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "ttft_p95_ratio": s["ttft_p95_s"] / b["ttft_p95_s"],
         "e2e_p50_ratio": s["e2e_p50_s"] / b["e2e_p50_s"],
         "throughput_ratio": s["output_tok_per_s"] / b["output_tok_per_s"],
+        # against vLLM's own server (same engine arguments, same HTTP client)
+        "ttft_p50_ratio_vs_vllm_serve": s["ttft_p50_s"] / served["summary"]["ttft_p50_s"],
+        "ttft_p50_ratio_c1_vs_vllm_serve": baton["single"]["ttft_p50_s"] / served["single"]["ttft_p50_s"],
+        "throughput_ratio_vs_vllm_serve": s["output_tok_per_s"] / served["summary"]["output_tok_per_s"],
     }
-    report = {"quick": quick, "requests": n, "max_tokens": max_tokens, "concurrency": concurrency, "bare": bare, "baton": baton, "ratios": ratios}
-    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {"quick": quick, "requests": n, "max_tokens": max_tokens, "concurrency": concurrency, "bare": bare, "vllm_serve": served,
+              "baton": baton, "ratios": ratios}
     (out_dir / "overhead.json").write_text(json.dumps(report, indent=2))
-    _plot(PhaseSummary(**b), PhaseSummary(**s), out_dir / "overhead.png")
+    _plot([("bare vLLM", PhaseSummary(**b)), ("vllm serve", PhaseSummary(**served["summary"])), ("Baton", PhaseSummary(**s))],
+          out_dir / "overhead.png")
     print(json.dumps(report, indent=2))
     print(f"[overhead] wrote {out_dir / 'overhead.json'} and {out_dir / 'overhead.png'}")
     print(
         f"RESULT ttft_p50_ratio={ratios['ttft_p50_ratio']:.3f} ttft_p50_ratio_c1={ratios['ttft_p50_ratio_c1']:.3f} e2e_p50_ratio={ratios['e2e_p50_ratio']:.3f} "
-        f"throughput_ratio={ratios['throughput_ratio']:.3f} baton_start_s={baton['start_s']:.1f} "
+        f"throughput_ratio={ratios['throughput_ratio']:.3f} ttft_p50_ratio_vs_vllm_serve={ratios['ttft_p50_ratio_vs_vllm_serve']:.3f} "
+        f"ttft_p50_ratio_c1_vs_vllm_serve={ratios['ttft_p50_ratio_c1_vs_vllm_serve']:.3f} "
+        f"throughput_ratio_vs_vllm_serve={ratios['throughput_ratio_vs_vllm_serve']:.3f} baton_start_s={baton['start_s']:.1f} "
         f"replica_rss_gib={baton['rss_bytes'] / (1 << 30):.2f}"
     )
     return report
 
 
-def _plot(bare: PhaseSummary, baton: PhaseSummary, path: Path) -> None:
+def _plot(phases: list[tuple[str, PhaseSummary]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.5))
-    names = ["bare vLLM", "Baton"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    names = [name for name, _ in phases]
     for ax, title, vals in (
-        (axes[0], "TTFT p50 / p95 (s)", [(bare.ttft_p50_s, bare.ttft_p95_s), (baton.ttft_p50_s, baton.ttft_p95_s)]),
-        (axes[1], "E2E p50 (s)", [(bare.e2e_p50_s,), (baton.e2e_p50_s,)]),
-        (axes[2], "output tokens/s", [(bare.output_tok_per_s,), (baton.output_tok_per_s,)]),
+        (axes[0], "TTFT p50 / p95 (s)", [(p.ttft_p50_s, p.ttft_p95_s) for _, p in phases]),
+        (axes[1], "E2E p50 (s)", [(p.e2e_p50_s,) for _, p in phases]),
+        (axes[2], "output tokens/s", [(p.output_tok_per_s,) for _, p in phases]),
     ):
         width = 0.8 / len(vals[0])
         for k in range(len(vals[0])):
-            ax.bar([i + k * width for i in range(2)], [v[k] for v in vals], width=width)
-        ax.set_xticks([i + width * (len(vals[0]) - 1) / 2 for i in range(2)], names)
+            ax.bar([i + k * width for i in range(len(phases))], [v[k] for v in vals], width=width)
+        ax.set_xticks([i + width * (len(vals[0]) - 1) / 2 for i in range(len(phases))], names)
         ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
