@@ -159,7 +159,7 @@ def test_shutdown_fails_every_waiting_stream_and_refuses_later_requests() -> Non
         t0 = time.monotonic()
         with pytest.raises(EngineUnavailable, match="engine shut down"):
             await collect(runner, request("late"))
-        assert time.monotonic() - t0 < 0.5  # at once, not after a wait
+        assert time.monotonic() - t0 < WAIT_S / 2  # at once, not after a wait (generous for a loaded machine)
 
     asyncio.run(go())
     assert not runner.stats.healthy and runner.stats.reason == "engine shut down"
@@ -246,7 +246,7 @@ def test_a_stuck_build_fails_the_start_and_the_late_engine_is_shut_down() -> Non
     t0 = time.monotonic()
     with pytest.raises(EngineUnavailable, match=r"engine build did not finish within 0.05s"):
         EngineRunner(SPEC, engine_factory=stuck_factory, start_timeout_s=0.05)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < WAIT_S / 2  # the watchdog, not the build (WAIT_S), ended the wait
     release.set()
     wait_until(late.shut_down.is_set)
     assert late.added == {} and late.log == [("shutdown", "")]  # never served
