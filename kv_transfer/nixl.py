@@ -24,7 +24,14 @@ in os.environ before the engine is built, and one process serves one side channe
 On CPU hosts the connector lowers NIXL's own threads to nice 19 (see lower_thread_priority).
 vLLM enables a few NIXL-only settings by connector *name* (`has_connector("NixlConnector")`);
 under our name they stay off. The one that matters on CPU: hybrid (Mamba) models need
-VLLM_SSM_CONV_STATE_LAYOUT=DS in the engine environment, which vLLM would otherwise set itself.
+VLLM_SSM_CONV_STATE_LAYOUT=DS in the engine environment, which vLLM would otherwise set itself;
+kv_transfer/config.py's NIXL_ENGINE_ENV puts it in every handoff engine's EngineSpec.env.
+
+Hybrid models (HMA): the subclass inherits vLLM's `SupportsHMA` from NixlBaseConnector, so the
+hybrid KV cache manager stays on, and with it vLLM's own hybrid P/D: the prefill stops one token
+short, the attention blocks and the recurrent (conv/SSM) state blocks of every transfer group move
+in one read, the decoder recomputes the last token (docs/hybrid_pd.md). Both `request_finished`
+and `request_finished_all_groups` (HMA's per-group block ids) are counted below.
 """
 from __future__ import annotations
 
