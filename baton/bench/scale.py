@@ -76,10 +76,10 @@ def run_cell(c: CellSpec) -> dict[str, Any]:
     fleet = Fleet(hardware.pools(c.gpus, c.tiers, c.policy != "colocated"), c.policy, _timer)  # type: ignore[arg-type]
     r = fleet.run(convs, until_s=c.horizon_s + DRAIN_S)
     figs = run_figures(r.runs)
-    uses = [GpuUse(r.gpu_of[rid], min(busy, r.wall_s)) for rid, busy in r.busy_s.items()]
+    uses = [GpuUse(r.gpu_of[rid], busy) for rid, busy in r.busy_s.items()]
     return {**asdict(c), "figures": asdict(figs), "goodput_per_gpu_s": figs.good / c.horizon_s / c.gpus,
             "kv_bytes_moved": r.kv_bytes_pd, "kv_bytes_injected": r.kv_bytes_injected, "handoffs": r.handoffs,
-            "energy_per_conversation_j": energy_per_conversation_j(uses, r.wall_s, figs.completed),
+            "energy_per_conversation_j": energy_per_conversation_j(uses, c.horizon_s, figs.completed),
             "utilization": sum(u.busy_s for u in uses) / (len(uses) * r.wall_s), "sim_s": r.wall_s,
             "directory": r.directory_totals, "cpu_s": time.process_time() - t0}
 

@@ -5,6 +5,11 @@ TDPs are NVIDIA's published board powers: H200 SXM up to 700 W (H200 datasheet),
 (L40S datasheet). Idle is IDLE_FRACTION of TDP, an assumption (not measured here): idle
 datacenter GPUs typically read ~10-20 % of TDP in nvidia-smi. A linear power model ignores
 that decode (memory-bound) draws less than prefill (compute-bound) at equal busy time.
+
+Per conversation, in steady state: the idle floor is charged over the arrival horizon only
+(`powered_s`; after it the fleet would be serving later arrivals, and a short run's drain tail
+would otherwise dominate), the dynamic part for every step the run took; divided by the
+conversations that completed.
 """
 from __future__ import annotations
 
@@ -20,17 +25,18 @@ class GpuUse:
     busy_s: float
 
 
-def gpu_energy_j(use: GpuUse, wall_s: float, idle_fraction: float = IDLE_FRACTION) -> float:
-    """Joules one GPU drew over `wall_s` seconds, `use.busy_s` of them busy."""
-    if wall_s <= 0 or not 0 <= use.busy_s <= wall_s * (1 + 1e-9):
-        raise ValueError(f"need 0 <= busy ({use.busy_s}) <= wall ({wall_s}) and wall > 0")
+def gpu_energy_j(use: GpuUse, powered_s: float, idle_fraction: float = IDLE_FRACTION) -> float:
+    """Joules of one GPU: idle power over `powered_s`, plus (TDP - idle) for each busy second.
+    (busy = powered: TDP × powered_s, utilization 1.)"""
+    if powered_s <= 0 or use.busy_s < 0:
+        raise ValueError(f"need busy ({use.busy_s}) >= 0 and powered ({powered_s}) > 0")
     tdp = TDP_W[use.gpu]
     idle = idle_fraction * tdp
-    return idle * wall_s + (tdp - idle) * use.busy_s
+    return idle * powered_s + (tdp - idle) * use.busy_s
 
 
-def energy_per_conversation_j(uses: list[GpuUse], wall_s: float, completed: int) -> float:
-    """The fleet's energy over the run per completed conversation (+inf when none completed:
-    failed conversations cost energy and count for nothing)."""
-    total = sum(gpu_energy_j(u, wall_s) for u in uses)
+def energy_per_conversation_j(uses: list[GpuUse], powered_s: float, completed: int) -> float:
+    """The fleet's energy per completed conversation (+inf when none completed: failed
+    conversations cost energy and count for nothing)."""
+    total = sum(gpu_energy_j(u, powered_s) for u in uses)
     return total / completed if completed else float("inf")
