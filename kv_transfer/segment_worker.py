@@ -187,10 +187,9 @@ class SegmentWorker:
         return tuple(out)
 
 
-def bind_model_rope(model: Any) -> str | None:
-    """For `LLMEngine.apply_model` (runs in the worker's process, on its loaded model): hand the
-    model to this process's segment connector (alone or inside a MultiConnector), so its
-    rotation is the model's own. None when the engine has no segment connector."""
+def process_segment_worker() -> SegmentWorker | None:
+    """This process's segment connector worker side (alone or inside a MultiConnector), if the
+    engine in this process has one."""
     from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
 
     if not has_kv_transfer_group():
@@ -199,5 +198,13 @@ def bind_model_rope(model: Any) -> str | None:
     for connector in [group, *getattr(group, "sub_connectors", [])]:
         worker = getattr(connector, "worker_side", None)
         if isinstance(worker, SegmentWorker):
-            return worker.bind_model(model)
+            return worker
     return None
+
+
+def bind_model_rope(model: Any) -> str | None:
+    """For `LLMEngine.apply_model` (runs in the worker's process, on its loaded model): hand the
+    model to this process's segment worker, so its rotation is the model's own. None when the
+    engine has no segment connector."""
+    worker = process_segment_worker()
+    return None if worker is None else worker.bind_model(model)

@@ -283,3 +283,17 @@ def test_engine_config_with_unbuildable_rope_is_unsupported_not_an_error() -> No
           "max_position_embeddings": 4096, "rope_parameters": {"rope_type": "no-such-rope", "rope_theta": 1.0}}
     with pytest.raises(UnsupportedRope, match="get_rope"):
         rope_from_vllm_config(_engine_config(hf))
+
+
+def test_the_segment_worker_takes_the_loaded_models_rotation() -> None:
+    """bind_model (run through LLMEngine.apply_model at engine start) replaces the config's
+    rotation with the model's; a model it cannot re-rotate turns the worker's injection off."""
+    from kv_transfer.segment_worker import SegmentWorker
+
+    plain = RopeSpec.unscaled(HEAD, 500000.0, max_positions=4096)
+    worker = SegmentWorker(block_size=16, dtype=torch.bfloat16, rope=plain, max_positions=4096)
+    llama3 = vllm_rope(FAMILIES[3], torch.bfloat16)
+    note = worker.bind_model(_model(llama3, llama3))
+    assert worker.rope is not None and worker.rope.source.startswith("Llama3") and "replaces" in note
+    assert worker.bind_model(_model(llama3)).endswith(")")  # the same again: agreed, nothing replaced
+    assert "off" in worker.bind_model(nn.Linear(2, 2)) and worker.rope is None
