@@ -60,6 +60,7 @@ class Family:
     neox: bool = True
     max_model_len: int = 4096
     head: int = HEAD
+    rotary_dim: int | None = None  # None: head * partial_rotary_factor
 
 
 FAR = ((0, 5), (7, 900), (900, 7), (100, 3000), (3000, 4000), (4095, 1))  # crosses original max 1024
@@ -80,6 +81,9 @@ FAMILIES = [
     Family("longrope-short", {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": ORIG,
                               "short_factor": [1.0 + i / HALF for i in range(HALF)],
                               "long_factor": [1.0 + 4 * i / HALF for i in range(HALF)]}, 4097, NEAR, max_model_len=ORIG),
+    Family("ntk", {"rope_type": "ntk", "rope_theta": 10000.0, "factor": 4.0}, 4096, FAR),
+    Family("proportional", {"rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, 4096, FAR,
+           rotary_dim=HEAD),  # Gemma 4: the whole head turns, the unrotated dims at frequency 0
     Family("gptj", {"rope_type": "default", "rope_theta": 10000.0}, 4096, FAR, neox=False),
     Family("gptj-partial", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}, 4096, FAR,
            neox=False, head=256),  # GPT-J itself: rotary_dim 64 of head 256
@@ -129,7 +133,7 @@ def test_move_p_to_q_reproduces_vllms_key_at_q(family: Family, dtype: torch.dtyp
     spec = rope_from_module(module)
     assert spec.style == ("neox" if family.neox else "gptj")
     assert spec.head_dim == family.head
-    assert spec.rotary_dim == int(family.head * family.params.get("partial_rotary_factor", 1.0))
+    assert spec.rotary_dim == (family.rotary_dim or int(family.head * family.params.get("partial_rotary_factor", 1.0)))
     assert spec.max_positions > max(max(pq) for pq in family.positions)
     assert move_error(module, spec, family, dtype) < TOL[dtype]
 
