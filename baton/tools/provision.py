@@ -251,37 +251,24 @@ def _check_saved_config(folder: Path, expected_dtype: str) -> None:
 
 
 def build_tiny_lfm2(out: Path, tokenizer_dir: Path, seed: int) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    vocab_size = len(tokenizer)
-    save_tiny_lfm2_weights(out, vocab_size, seed)
-    tokenizer.save_pretrained(out)
-    _check_saved_config(out, expected_dtype="bfloat16")
-    return {
-        "source": f"random init, torch.manual_seed({seed}), tokenizer of {SMOLLM2_NAME}",
-        "seed": seed,
-        "dtype": "bfloat16",
-        "vocab_size": vocab_size,
-        "tensor_sha256": tensor_checksum(out),
-    }
+    return _build_tiny(lambda folder, vocab: save_tiny_lfm2_weights(folder, vocab, seed), out, tokenizer_dir, seed)
 
 
 def build_tiny_rope(name: str, out: Path, tokenizer_dir: Path, seed: int) -> dict[str, Any]:
+    return _build_tiny(lambda folder, vocab: save_tiny_rope_weights(name, folder, vocab, seed), out, tokenizer_dir, seed)
+
+
+def _build_tiny(save: Callable[[Path, int], None], out: Path, tokenizer_dir: Path, seed: int) -> dict[str, Any]:
+    """A seeded random-weight model saved by `save(folder, vocab_size)`, with SmolLM2's tokenizer."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     vocab_size = len(tokenizer)
-    save_tiny_rope_weights(name, out, vocab_size, seed)
+    save(out, vocab_size)
     tokenizer.save_pretrained(out)
     _check_saved_config(out, expected_dtype="bfloat16")
-    return {
-        "source": f"random init, torch.manual_seed({seed}), tokenizer of {SMOLLM2_NAME}",
-        "seed": seed,
-        "dtype": "bfloat16",
-        "vocab_size": vocab_size,
-        "tensor_sha256": tensor_checksum(out),
-    }
+    return {"source": f"random init, torch.manual_seed({seed}), tokenizer of {SMOLLM2_NAME}", "seed": seed,
+            "dtype": "bfloat16", "vocab_size": vocab_size, "tensor_sha256": tensor_checksum(out)}
 
 
 def tensor_checksum(folder: Path) -> str:
@@ -324,16 +311,11 @@ def provision_tiny_hybrid(
     )
 
 
-def provision_tiny_rope(
-    cache_dir: Path | str, force: bool = False, seed: int = TINY_ROPE_SEED
-) -> list[ProvisionedModel]:
+def provision_tiny_rope(cache_dir: Path | str, force: bool = False, seed: int = TINY_ROPE_SEED) -> list[ProvisionedModel]:
     """The tiny RoPE-family models; provisions SmolLM2 first if needed (its tokenizer is reused)."""
     smollm2 = provision_smollm2(cache_dir)
-    return [
-        ensure_model(Path(cache_dir), name, TINY_ROPE_RECIPE,
-                     lambda out, name=name: build_tiny_rope(name, out, smollm2.path, seed), force)
-        for name in TINY_ROPE_NAMES
-    ]
+    return [ensure_model(Path(cache_dir), name, TINY_ROPE_RECIPE,
+                         lambda out, name=name: build_tiny_rope(name, out, smollm2.path, seed), force) for name in TINY_ROPE_NAMES]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,19 +325,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE_DIR,
                         help=f"models folder (default: {DEFAULT_CACHE_DIR})")
     parser.add_argument("--only", choices=("smollm2", "hybrid", "rope"),
-                        help="provision one model (hybrid also needs SmolLM2's tokenizer)")
+                        help="provision one model or family (hybrid and rope also need SmolLM2's tokenizer)")
     parser.add_argument("--force", action="store_true", help="rebuild even if complete")
     args = parser.parse_args(argv)
 
-    steps: list[Callable[[], list[ProvisionedModel]]] = []
-    if args.only in (None, "smollm2"):
-        steps.append(lambda: [provision_smollm2(args.cache, force=args.force)])
-    if args.only in (None, "hybrid"):
-        steps.append(lambda: [provision_tiny_hybrid(args.cache, force=args.force)])
-    if args.only in (None, "rope"):
-        steps.append(lambda: provision_tiny_rope(args.cache, force=args.force))
+    steps: dict[str, Callable[[], list[ProvisionedModel]]] = {
+        "smollm2": lambda: [provision_smollm2(args.cache, force=args.force)],
+        "hybrid": lambda: [provision_tiny_hybrid(args.cache, force=args.force)],
+        "rope": lambda: provision_tiny_rope(args.cache, force=args.force),
+    }
     try:
-        for step in steps:
+        for step in (f for key, f in steps.items() if args.only in (None, key)):
             for model in step():
                 state = "created" if model.created else "already present"
                 print(f"{model.name}: {state}, {model.path}", flush=True)
