@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("baton.kv_transfer.segments")
 
-_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+# a layer's index: the first integer component of its module name, whatever the model calls its
+# blocks (model.layers.3.self_attn.attn, transformer.h.3.attn.attn)
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
 class _Staging:
