@@ -21,6 +21,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -148,7 +149,9 @@ def _vllm_serve_phase(model_path: str, prompts: list[list[int]], max_tokens: int
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's server runs its engine core the way it always does
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
-        proc = subprocess.Popen(vllm_serve_argv(spec, port), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        argv = vllm_serve_argv(spec, port)
+        argv[0] = str(Path(sys.executable).parent / "vllm")  # this environment's, PATH or not
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         t0 = time.monotonic()
         while True:
