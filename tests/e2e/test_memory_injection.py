@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from baton.engine.types import GenerationRequest, SamplingSpec
-from kv_transfer.rope import apply_rope, remove_rope, rope_spec_from_hf_config
+from kv_transfer.rope import apply_rope, remove_rope
 from kv_transfer.segment_stats import segment_stats
 from kv_transfer.segments import KVSegment, process_segments
 from memory_store.layout import RecalledFact, memory_prompt
@@ -130,9 +130,11 @@ def test_layer0_keys_moved_from_p_to_q_match_keys_computed_at_q(runner: Any, ren
     assert q - p >= 10
     (at_p,) = _capture(runner, short, ((p, len(short)),))
     (at_q,) = _capture(runner, long_, ((q, len(long_)),))
-    from transformers import AutoConfig
+    from kv_transfer.segment_worker import process_segment_worker
 
-    rope = rope_spec_from_hf_config(AutoConfig.from_pretrained(str(MODEL_DIR)))
+    worker = process_segment_worker()  # the engine runs in this process: its worker's own rotation
+    assert worker is not None and worker.rope is not None
+    rope = worker.rope
     n = len(span)
     # the captured keys are position-free; place layer 0's key from p at q and compare with the
     # engine's own post-RoPE key at q (re-applying the exact rotation it used)

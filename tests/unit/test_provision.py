@@ -134,16 +134,21 @@ def test_cli_prints_one_line_per_model(
 ) -> None:
     monkeypatch.setattr(provision, "build_smollm2", CountingBuilder())
     monkeypatch.setattr(provision, "build_tiny_lfm2", lambda out, tok, seed: CountingBuilder()(out))
+    monkeypatch.setattr(provision, "build_tiny_rope", lambda name, out, tok, seed: CountingBuilder()(out))
 
     assert provision.main(["--cache", str(tmp_path / "models")]) == 0
     assert provision.main(["--cache", str(tmp_path / "models"), "--only", "hybrid"]) == 0
+    assert provision.main(["--cache", str(tmp_path / "models"), "--only", "rope"]) == 0
 
     lines = capsys.readouterr().out.splitlines()
     smol, tiny = tmp_path / "models" / provision.SMOLLM2_NAME, tmp_path / "models" / "tiny-lfm2"
+    ropes = [(n, tmp_path / "models" / n) for n in ("tiny-llama31", "tiny-qwen2", "tiny-gptj")]
     assert lines == [
         f"{provision.SMOLLM2_NAME}: created, {smol}",
         f"tiny-lfm2: created, {tiny}",
+        *(f"{n}: created, {p}" for n, p in ropes),
         f"tiny-lfm2: already present, {tiny}",
+        *(f"{n}: already present, {p}" for n, p in ropes),
     ]
 
 

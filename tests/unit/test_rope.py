@@ -12,8 +12,6 @@ Tolerances (measured here, stated in the asserts):
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -23,11 +21,10 @@ from kv_transfer.rope import (
     apply_rope,
     cos_sin,
     remove_rope,
-    rope_spec_from_hf_config,
 )
 
-F32 = RopeSpec(head_dim=64, base=100000.0, table_dtype=torch.float32)
-BF16 = RopeSpec(head_dim=64, base=100000.0)  # default table dtype: bf16
+F32 = RopeSpec.unscaled(head_dim=64, base=100000.0, table_dtype=torch.float32)
+BF16 = RopeSpec.unscaled(head_dim=64, base=100000.0)  # default table dtype: bf16
 
 
 def keys(t: int, h: int = 3, d: int = 64, seed: int = 0) -> torch.Tensor:
@@ -41,7 +38,7 @@ def pos(*p: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 def test_move_p_to_q_equals_direct_rotation_fp32(style: str) -> None:
-    spec = RopeSpec(head_dim=64, base=100000.0, style=style, table_dtype=torch.float32)
+    spec = RopeSpec.unscaled(head_dim=64, base=100000.0, style=style, table_dtype=torch.float32)
     k = keys(5)
     p, q = pos(0, 7, 100, 2048, 4095), pos(3, 900, 1, 4096, 17)
     at_p = apply_rope(k, p, spec)
@@ -69,7 +66,7 @@ def test_move_p_to_q_with_the_default_bf16_table() -> None:
     assert (c * c + s * s - 1).abs().max().item() > 1e-4
 
 
-@pytest.mark.parametrize("spec", [F32, BF16, RopeSpec(head_dim=8, base=10000.0, style="gptj")])
+@pytest.mark.parametrize("spec", [F32, BF16, RopeSpec.unscaled(head_dim=8, base=10000.0, style="gptj")])
 def test_remove_after_apply_is_identity(spec: RopeSpec) -> None:
     k = keys(6, d=spec.head_dim)
     p = pos(0, 1, 2, 50, 1000, 30000)
@@ -86,8 +83,8 @@ def test_position_zero_is_no_rotation_and_norm_is_kept() -> None:
 
 def test_neox_and_gptj_pair_different_dimensions() -> None:
     k = keys(1, h=1, d=8)
-    neox = RopeSpec(head_dim=8, base=10000.0, style="neox", table_dtype=torch.float32)
-    gptj = RopeSpec(head_dim=8, base=10000.0, style="gptj", table_dtype=torch.float32)
+    neox = RopeSpec.unscaled(head_dim=8, base=10000.0, style="neox", table_dtype=torch.float32)
+    gptj = RopeSpec.unscaled(head_dim=8, base=10000.0, style="gptj", table_dtype=torch.float32)
     a, b = apply_rope(k, pos(3), neox), apply_rope(k, pos(3), gptj)
     assert (a - b).abs().max().item() > 1e-2
     # neox rotates (x0, x4) by 3·θ0 = 3 rad; gptj rotates (x0, x1) by the same angle
@@ -101,7 +98,7 @@ def test_neox_and_gptj_pair_different_dimensions() -> None:
 
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 def test_query_key_dot_depends_only_on_relative_position(style: str) -> None:
-    spec = RopeSpec(head_dim=64, base=100000.0, style=style, table_dtype=torch.float32)
+    spec = RopeSpec.unscaled(head_dim=64, base=100000.0, style=style, table_dtype=torch.float32)
     qv, kv = keys(1, h=1, seed=4), keys(1, h=1, seed=5)
 
     def score(m: int, n: int) -> float:
@@ -139,45 +136,18 @@ def test_cos_sin_is_rounded_to_the_table_dtype() -> None:
 
 def test_spec_validation() -> None:
     with pytest.raises(UnsupportedRope):
-        RopeSpec(head_dim=63, base=10000.0)
+        RopeSpec.unscaled(head_dim=63, base=10000.0)
     with pytest.raises(UnsupportedRope):
-        RopeSpec(head_dim=0, base=10000.0)
+        RopeSpec.unscaled(head_dim=0, base=10000.0)
     with pytest.raises(UnsupportedRope):
-        RopeSpec(head_dim=64, base=0.0)
+        RopeSpec.unscaled(head_dim=64, base=0.0)
+    with pytest.raises(UnsupportedRope, match="rotary dim"):
+        RopeSpec(head_dim=32, style="neox", table=torch.zeros(8, 64))  # wider than the head
+    with pytest.raises(UnsupportedRope, match="style"):
+        RopeSpec(head_dim=64, style="halves", table=torch.zeros(8, 64))  # type: ignore[arg-type]
 
 
-# ---- HF configs ---------------------------------------------------------------------------------
-
-def smollm2_like(**over: object) -> SimpleNamespace:
-    cfg = {"hidden_size": 576, "num_attention_heads": 9, "head_dim": 64,
-           "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}
-    cfg.update(over)
-    return SimpleNamespace(**cfg)
-
-
-def test_spec_from_smollm2_like_config() -> None:
-    spec = rope_spec_from_hf_config(smollm2_like())
-    assert spec == RopeSpec(head_dim=64, base=100000.0, style="neox", table_dtype=torch.bfloat16)
-    assert rope_spec_from_hf_config(smollm2_like(), table_dtype=torch.float16).table_dtype == torch.float16
-
-
-def test_spec_from_legacy_fields_and_derived_head_dim() -> None:
-    cfg = SimpleNamespace(hidden_size=576, num_attention_heads=9, rope_theta=10000.0, rope_scaling=None)
-    assert rope_spec_from_hf_config(cfg) == RopeSpec(head_dim=64, base=10000.0)
-
-
-@pytest.mark.parametrize("rope_type", ["llama3", "yarn", "linear", "dynamic"])
-def test_scaled_rope_is_refused_with_its_type_named(rope_type: str) -> None:
-    cfg = smollm2_like(rope_parameters={"rope_theta": 500000.0, "rope_type": rope_type, "factor": 8.0})
-    with pytest.raises(UnsupportedRope, match=rope_type):
-        rope_spec_from_hf_config(cfg)
-    legacy = SimpleNamespace(hidden_size=64, num_attention_heads=1, rope_theta=1e4, rope_scaling={"rope_type": rope_type})
-    with pytest.raises(UnsupportedRope, match=rope_type):
-        rope_spec_from_hf_config(legacy)
-
-
-def test_missing_theta_and_partial_rotary_are_refused() -> None:
-    with pytest.raises(UnsupportedRope, match="rope_theta"):
-        rope_spec_from_hf_config(smollm2_like(rope_parameters={"rope_type": "default"}))
-    with pytest.raises(UnsupportedRope, match="partial"):
-        rope_spec_from_hf_config(smollm2_like(partial_rotary_factor=0.5))
+def test_positions_beyond_the_table_are_refused() -> None:
+    spec = RopeSpec.unscaled(head_dim=8, base=10000.0, max_positions=16)
+    with pytest.raises(ValueError, match="beyond the rope table"):
+        apply_rope(keys(1, d=8), pos(16), spec)

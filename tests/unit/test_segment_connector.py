@@ -25,11 +25,12 @@ from kv_transfer.segment_worker import SegmentWorker
 from kv_transfer.segments import KVSegment, process_segments
 
 LAYERS, HEADS, DIM, BS, BLOCKS = 2, 2, 8, 4, 6
-SPEC = RopeSpec(head_dim=DIM, base=10000.0, table_dtype=torch.float32)
+BASE = 10000.0
+SPEC = RopeSpec.unscaled(head_dim=DIM, base=BASE, table_dtype=torch.float32, max_positions=64)
 
 
 def vllm_config() -> Any:
-    hf = SimpleNamespace(rope_theta=SPEC.base, head_dim=DIM, hidden_size=HEADS * DIM, num_attention_heads=HEADS)
+    hf = SimpleNamespace(rope_theta=BASE, head_dim=DIM, hidden_size=HEADS * DIM, num_attention_heads=HEADS)
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_role="kv_both"),
         cache_config=SimpleNamespace(block_size=BS),
@@ -202,17 +203,35 @@ def test_a_finished_request_leaves_no_scheduler_state(pair: tuple[Any, Any]) -> 
 
 
 def llama31_config() -> Any:
-    """A Llama-3.1-style model: llama3 RoPE scaling, which this module cannot re-rotate (yet)."""
+    """A Llama-3.1-style model: llama3 RoPE scaling (re-rotated exactly with vLLM's own table)."""
     cfg = vllm_config()
     cfg.model_config.hf_config.rope_scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                "original_max_position_embeddings": 8192}
     return cfg
 
 
-def test_a_rope_that_cannot_be_re_rotated_turns_injection_off_and_the_engine_still_starts() -> None:
+def mrope_config() -> Any:
+    """A multimodal-style model: M-RoPE (positions per section), which cannot be re-rotated by one
+    position per token."""
+    cfg = vllm_config()
+    cfg.model_config.hf_config.rope_scaling = {"rope_type": "default", "mrope_section": [2, 1, 1]}
+    return cfg
+
+
+def test_a_scaled_rope_keeps_injection_on_with_the_engines_own_table() -> None:
     sched = SegmentConnector(llama31_config(), KVConnectorRole.SCHEDULER)
-    worker = SegmentConnector(llama31_config(), KVConnectorRole.WORKER)  # constructed: no failed start
-    assert "llama3" in (sched.scheduler_side.disabled or "")
+    worker = SegmentConnector(llama31_config(), KVConnectorRole.WORKER)
+    assert sched.scheduler_side is not None and sched.scheduler_side.disabled is None
+    rope = worker.worker_side.rope if worker.worker_side else None
+    assert rope is not None and rope.source.startswith("Llama3RotaryEmbedding")
+    assert not rope.same_rotation(SPEC)  # the llama3 table differs from plain RoPE
+
+
+def test_a_rope_that_cannot_be_re_rotated_turns_injection_off_and_the_engine_still_starts() -> None:
+    sched = SegmentConnector(mrope_config(), KVConnectorRole.SCHEDULER)
+    worker = SegmentConnector(mrope_config(), KVConnectorRole.WORKER)  # constructed: no failed start
+    assert "MRotaryEmbedding" in (sched.scheduler_side.disabled or "")
+    assert worker.worker_side is not None and worker.worker_side.rope is None
     before = segment_stats()
     prompt = [11, 12, 13, 14, 15, 16, 17]
     process_segments().offer("k1", (segment((11, 12, 13, 14, 15)),))
@@ -223,7 +242,7 @@ def test_a_rope_that_cannot_be_re_rotated_turns_injection_off_and_the_engine_sti
         r2 = request("r2", prompt, key="k2", capture=[[1, 4]])
         sched.update_state_after_alloc(r2, Blocks([3, 1]), 0)
         result = process_segments().take_capture("k2")
-        assert result is not None and result.segments == () and "llama3" in (result.error or "")  # failed at once, with why
+        assert result is not None and result.segments == () and "MRotaryEmbedding" in (result.error or "")  # failed at once, with why
         meta = sched.build_connector_meta(step(new=[("r2", prompt, [3, 1], 0)], scheduled={"r2": 7}))
         assert meta.loads == [] and meta.captures == []
         run_worker(worker, meta, forward_context())  # nothing to do; nothing raised

@@ -1,0 +1,157 @@
+"""Calibration: the same fleet simulator at the CPU scale of `bench conserve`, its engines timed by a
+step-time model fitted on real vLLM CPU engines (cpu_steps.py measures them), compared with the
+per-policy TTFET that `bench conserve` measured.
+
+Step-time model (least squares over the measured grid, `--cpu-steps steps.json`):
+    prefill chunk of n new tokens after c in KV:  p0 + p1·n + p2·n·(c + n/2)   (linear work + attention)
+    decode step of b sequences at mean context c: d0 + d1·b + d2·b·c
+    a mixed step: the prefill part + the decode part without its d0 (one step's fixed cost, once)
+steps.json: {"prefill": [{"tokens", "context", "seconds"}...], "decode": [{"batch", "context",
+"seconds"}...], "engine": {"max_num_batched_tokens", "max_num_seqs", "block_size",
+"kv_capacity_tokens", "bytes_per_token"}} (cpu_steps.py writes exactly this).
+
+The CPU fleet is conserve's layout (baton/bench/conserve.layout): disaggregated policies one
+prefill and one decode engine, colocated two unified engines; the workload is conserve's own
+(its JSON's "workload": the BFCL trace it built, the same Poisson arrival seeds, levels run one
+after another, each with fresh engines: conserve salts each level's prefix cache). Replies are
+max_tokens long (SmolLM2 may stop earlier: the simulator's TTFET is then an upper bound).
+
+calibration_error = max over policies and over {p50, p95} of |sim − measured| / measured, at
+conserve's headline load level (its JSON's "headline"."rate").
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from baton.engine.simulated.timing import StepBatch, StepTime
+from baton.sim import workloads
+from baton.sim.engine import EngineShape
+from baton.sim.fleet import Fleet, PoolSpec
+from baton.sim.slo import run_figures
+
+CPU_NIXL_GBPS = 3.0 * 8 * 1.0737  # NIXL/UCX DRAM loopback measured here: 2.4-4.5 GiB/s (DESIGN.md); 3 GiB/s
+TEMPLATE_TOKENS = 5  # ChatML framing per message (<|im_start|>role\n ... <|im_end|>\n)
+
+
+@dataclass(frozen=True)
+class CpuStepModel:
+    prefill: tuple[float, float, float]  # p0, p1, p2
+    decode: tuple[float, float, float]  # d0, d1, d2
+
+    def step_time(self, batch: StepBatch) -> StepTime:
+        if batch.empty:
+            return StepTime(0.0, "idle")
+        p0, p1, p2 = self.prefill
+        d0, d1, d2 = self.decode
+        dec = sum(d1 + d2 * c for c in batch.decode_contexts)
+        if not batch.prefills:
+            return StepTime(max(0.0, d0 + dec), "decode")
+        pre = p0 + sum(p1 * ch.new_tokens + p2 * ch.new_tokens * (ch.context_before + ch.new_tokens / 2) for ch in batch.prefills)
+        return StepTime(max(0.0, pre + dec), "mixed")
+
+
+def fit_step_model(steps: dict[str, Any]) -> CpuStepModel:
+    """Least-squares fit of the model in the module docstring to measured steps."""
+    pre = steps["prefill"]
+    a = np.array([[1.0, s["tokens"], s["tokens"] * (s["context"] + s["tokens"] / 2)] for s in pre])
+    p = np.linalg.lstsq(a, np.array([s["seconds"] for s in pre]), rcond=None)[0]
+    dec = steps["decode"]
+    b = np.array([[1.0, s["batch"], s["batch"] * s["context"]] for s in dec])
+    d = np.linalg.lstsq(b, np.array([s["seconds"] for s in dec]), rcond=None)[0]
+    return CpuStepModel(tuple(float(x) for x in p), tuple(float(x) for x in d))  # type: ignore[arg-type]
+
+
+def calibration_error(sim: dict[str, dict[str, float]], measured: dict[str, dict[str, float]]) -> float:
+    """max over policies and figures of |sim − measured| / measured; nan when nothing compares.
+    sim/measured: policy -> {"ttfet_p50_s": x, "ttfet_p95_s": y}."""
+    errors = [abs(sim[p][k] - m) / m for p, figs in measured.items() if p in sim for k, m in figs.items()
+              if k in sim[p] and m not in (None, 0) and m != float("inf")]
+    return max(errors) if errors else float("nan")
+
+
+def measured_ttfets(conserve: dict[str, Any]) -> tuple[float, dict[str, dict[str, float]]]:
+    """(rate, policy -> {ttfet_p50_s, ttfet_p95_s}) from conserve.json at its headline rate."""
+    rate = float(conserve["headline"]["rate"])
+    key = next(k for k in conserve["summary"][next(iter(conserve["summary"]))] if float(k) == rate)
+    out: dict[str, dict[str, float]] = {}
+    for policy, by_rate in conserve["summary"].items():
+        row = by_rate.get(key, {})
+        figs = {name: row[name]["median"] for name in ("ttfet_p50_s", "ttfet_p95_s") if name in row}
+        out[policy] = {k: (float("inf") if v == "inf" else float(v)) for k, v in figs.items() if v is not None}
+    return rate, out
+
+
+def cpu_pools(policy: str, engine: dict[str, Any]) -> list[PoolSpec]:
+    shape = EngineShape(gpu="cpu", kv_capacity_tokens=int(engine["kv_capacity_tokens"]), bytes_per_token=int(engine["bytes_per_token"]),
+                        link_gbps=CPU_NIXL_GBPS, inject_gbps=CPU_NIXL_GBPS, block_size=int(engine["block_size"]),
+                        max_num_seqs=int(engine["max_num_seqs"]), max_num_batched_tokens=int(engine["max_num_batched_tokens"]),
+                        max_model_len=int(engine.get("max_model_len", 8192)))
+    if policy == "colocated":
+        return [PoolSpec("decode", 2, shape)]
+    return [PoolSpec("prefill", 1, shape), PoolSpec("decode", 1, shape)]
+
+
+def to_sim(conv: Any, arrival_s: float, count: Callable[[str], int], max_model_len: int) -> workloads.Conversation:
+    """A conserve trace conversation (baton/traces/format.Conversation) as token counts."""
+    system = count(conv.system or "") + TEMPLATE_TOKENS
+    turns = tuple(workloads.Turn(count(t.content) + TEMPLATE_TOKENS, t.max_tokens, t.think_time_s, t.effective) for t in conv.turns)
+    return workloads.Conversation(conv.conversation_id, conv.user, arrival_s, f"sys:{hash(conv.system)}:{conv.user}", system, turns)
+
+
+def simulate_conserve(conserve: dict[str, Any], model: CpuStepModel, engine: dict[str, Any], count: Callable[[str], int],
+                      trace: Sequence[Any], policies: Sequence[str]) -> dict[str, dict[str, float]]:
+    """policy -> {ttfet_p50_s, ttfet_p95_s} at the headline rate, median over conserve's repetitions."""
+    from baton.bench.conserve_load import poisson_arrivals, split_levels
+
+    w = conserve["workload"]
+    rates = list(w["rates"])
+    levels = split_levels(trace, len(rates), w["per_level"])
+    rate = float(conserve["headline"]["rate"])
+    k = rates.index(rate)
+    out: dict[str, dict[str, float]] = {}
+    for policy in policies:
+        per_rep: dict[str, list[float]] = {"ttfet_p50_s": [], "ttfet_p95_s": []}
+        for rep in range(w["reps"]):
+            arrivals = poisson_arrivals(len(levels[k]), rate, seed=w["seed"] * 1000 + rep * 10 + k)
+            convs = [to_sim(c, t, count, int(engine.get("max_model_len", 8192))) for c, t in zip(levels[k], arrivals, strict=True)]
+            fleet = Fleet(cpu_pools(policy, engine), policy, lambda _gpu: model)  # type: ignore[arg-type]
+            figs = run_figures(fleet.run(convs, until_s=arrivals[-1] + 600.0).runs)
+            for name in per_rep:
+                value = getattr(figs, name)
+                if value is not None:
+                    per_rep[name].append(value)
+        out[policy] = {name: statistics.median(v) for name, v in per_rep.items() if v}
+    return out
+
+
+def token_counter() -> Callable[[str], int]:
+    """SmolLM2's tokenizer from .cache/models when it loads; else ~4 characters per token."""
+    try:
+        from transformers import AutoTokenizer
+
+        from baton.paths import REPO_ROOT
+
+        tok = AutoTokenizer.from_pretrained(str(Path(REPO_ROOT) / ".cache" / "models" / "SmolLM2-135M-Instruct"))
+        return lambda text: len(tok.encode(text, add_special_tokens=False))
+    except Exception:  # noqa: BLE001 - any failure to load falls back to the character estimate
+        return lambda text: max(1, len(text) // 4)
+
+
+def run_calibration(conserve_json: Path, steps_json: Path) -> dict[str, Any]:
+    from baton.bench.conserve import Workload, build_trace
+
+    conserve = json.loads(conserve_json.read_text())
+    steps = json.loads(steps_json.read_text())
+    model = fit_step_model(steps)
+    rate, measured = measured_ttfets(conserve)
+    trace = build_trace(Workload(**{**conserve["workload"], "rates": tuple(conserve["workload"]["rates"])}))
+    sim = simulate_conserve(conserve, model, steps["engine"], token_counter(), trace, sorted(measured))
+    return {"rate": rate, "measured": measured, "simulated": sim, "step_model": {"prefill": model.prefill, "decode": model.decode},
+            "calibration_error": calibration_error(sim, measured)}
