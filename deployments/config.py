@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from baton.engine.config import EngineConfig
 from deployments.input_limits import DEFAULT_MAX_BODY_BYTES, InputLimits
 from deployments.salt import PrefixCacheScope
+from kv_transfer.config import kv_transfer_engine_arg, stack_supports_hma
 from memory_store.config import MemoryConfig
 from router.admission import AdmissionConfig
 from router.chat_admission import ChatAdmissionConfig
@@ -240,7 +241,7 @@ class AppConfig(_Strict):
                 f"routing.policy {self.routing.policy!r} serves whole requests on the decode pool: set prefill.num_replicas to 0 "
                 f"(and give those engines to the decode pool)"
             )
-        self._checkpoints_without_connector()
+        self._checkpoints_with_connectors()
         self._simulated_alone()
         return self
 
@@ -259,24 +260,37 @@ class AppConfig(_Strict):
             raise ValueError("engine.kind simulated has no KV connector, so memory (KV injection) and realtime (held "
                              "windows) cannot run on it: remove them from a simulated config")
 
-    def _checkpoints_without_connector(self) -> None:
-        """Recurrent-state checkpoints (hybrid models) run only on engines without a KV connector
-        today. A handoff (a disaggregated policy), memories and real-time windows each configure
-        one, and with it vLLM turns off its hybrid KV cache manager (the connectors do not declare
-        HMA support yet), so a hybrid model fails at startup, and its prefix-hit path restores the
-        junction states the checkpoint policy dropped. Refused here, by field, rather than at the
-        engine's start."""
-        pools = [p for p in (self.prefill, self.decode) if p is not None and p.engine.checkpoints is not None]
+    def _checkpoints_with_connectors(self) -> None:
+        """Recurrent-state checkpoints (hybrid models) and the KV connectors their engines run.
+
+        A handoff (a disaggregated policy) runs NIXL: vLLM 0.32's NixlConnector moves a hybrid
+        model's conv/SSM state with its attention KV, and only under vLLM's hybrid KV cache
+        manager (HMA), so the pool's connector stack must declare HMA (stack_supports_hma; else
+        vLLM turns HMA off and a hybrid model fails at startup). CheckpointScheduler never reports
+        a divergent hybrid hit, so vLLM's hit_diverged fallback cannot restore the junction states
+        the plan dropped (docs/hybrid_pd.md). Memories and real-time windows inject position-free
+        attention KV, which cannot carry recurrent state: on a hybrid model the segment connector
+        turns itself off and every injection is recomputed, so that combination is refused."""
+        pools = [(role, p) for role, p in (("prefill", self.prefill), ("decode", self.decode))
+                 if p is not None and p.engine.checkpoints is not None]
         if not pools:
             return
-        why = [f"routing.policy {self.routing.policy!r} hands KV off between pools"] if self.routing.disaggregated else []
-        why += ["memory (KV injection)"] if self.memory is not None else []
+        why = ["memory (KV injection)"] if self.memory is not None else []
         why += ["realtime (held windows)"] if self.realtime is not None else []
         if why:
             raise ValueError(
-                f"engine.checkpoints (hybrid models) cannot run with a KV connector yet, and {', '.join(why)} configures one: "
-                f"use routing.policy colocated without memory and realtime for a hybrid model with checkpoints"
+                f"engine.checkpoints (hybrid models) cannot take injected KV: {', '.join(why)} injects attention KV "
+                f"segments, which carry no recurrent (conv/SSM) state; serve a hybrid model with checkpoints without "
+                f"memory and realtime (routing.policy colocated or a disaggregated one)"
             )
+        for role, pool in pools:
+            kv = kv_transfer_engine_arg(role, handoff=self.routing.disaggregated, on_gpu=pool.resources.num_gpus > 0)
+            if not stack_supports_hma(kv):
+                names = [c.get("kv_connector") for c in (kv or {}).get("kv_connector_extra_config", {}).get("connectors", [kv])]
+                raise ValueError(
+                    f"{role}.engine.checkpoints (hybrid models) needs vLLM's hybrid KV cache manager, and the KV "
+                    f"connectors routing.policy {self.routing.policy!r} configures ({names}) do not all declare SupportsHMA"
+                )
 
 
 def _pool_can_run(pool: PoolConfig) -> bool:

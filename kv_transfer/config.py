@@ -34,6 +34,36 @@ def kv_transfer_plan(role: PoolRole, *, handoff: bool, on_gpu: bool) -> KVTransf
     return KVTransferPlan(connector="NixlConnector", role=kv_role, buffer_device=device)
 
 
+# Connectors (by kv_connector name) that declare vLLM's SupportsHMA, so an engine running them keeps
+# the hybrid KV cache manager a hybrid (Mamba/conv/GDN) model needs. A mirror of vLLM's own check
+# (KVConnectorFactory.supports_hma_config; MultiConnector: every child), kept here so config
+# validation needs no vLLM import; tests/unit/test_hma_connectors.py holds it equal to vLLM's answer.
+HMA_CONNECTORS = frozenset({"CountingNixlConnector", "NixlConnector", "SegmentConnector"})
+
+# The engine environment a NIXL handoff needs. vLLM's NIXL worker moves a hybrid model's conv state
+# only in the "DS" (dim, state_len) layout (nixl/base_worker.py asserts it); vLLM's CPU platform picks
+# DS by itself only for a connector *named* NixlConnector, and no platform does on GPUs. It changes
+# nothing for a model without conv state.
+NIXL_ENGINE_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
+
+
+def stack_supports_hma(kv_transfer: dict[str, Any] | None) -> bool:
+    """Pure: whether the `kv_transfer_config` dict keeps vLLM's hybrid KV cache manager on (no
+    connector: nothing turns it off)."""
+    if kv_transfer is None:
+        return True
+    if kv_transfer.get("kv_connector") == "MultiConnector":
+        children = (kv_transfer.get("kv_connector_extra_config") or {}).get("connectors") or []
+        return bool(children) and all(stack_supports_hma(c) for c in children)
+    return kv_transfer.get("kv_connector") in HMA_CONNECTORS
+
+
+def kv_transfer_engine_env(role: PoolRole, *, handoff: bool, on_gpu: bool) -> dict[str, str]:
+    """Pure: environment variables the engine of `role` needs for its connector (set before the
+    engine is built)."""
+    return dict(NIXL_ENGINE_ENV) if kv_transfer_plan(role, handoff=handoff, on_gpu=on_gpu).connector else {}
+
+
 SEGMENT_CONNECTOR = {
     "kv_connector": "SegmentConnector",
     "kv_connector_module_path": "kv_transfer.segment_connector",

@@ -24,7 +24,15 @@ in os.environ before the engine is built, and one process serves one side channe
 On CPU hosts the connector lowers NIXL's own threads to nice 19 (see lower_thread_priority).
 vLLM enables a few NIXL-only settings by connector *name* (`has_connector("NixlConnector")`);
 under our name they stay off. The one that matters on CPU: hybrid (Mamba) models need
-VLLM_SSM_CONV_STATE_LAYOUT=DS in the engine environment, which vLLM would otherwise set itself.
+VLLM_SSM_CONV_STATE_LAYOUT=DS in the engine environment, which vLLM would otherwise set itself;
+kv_transfer/config.py's NIXL_ENGINE_ENV puts it in every handoff engine's EngineSpec.env.
+
+Hybrid models (HMA): the subclass inherits vLLM's `SupportsHMA` from NixlBaseConnector, so the
+hybrid KV cache manager stays on, and with it vLLM's own hybrid P/D: the prefill stops one token
+short, the attention blocks and the recurrent (conv/SSM) state blocks of every transfer group move
+in one read, the decoder recomputes the last token (docs/hybrid_pd.md). vLLM knows the state
+layout of Mamba1/Mamba2/GDN layers only; kv_transfer/short_conv.py adds LFM2's short conv. Both `request_finished`
+and `request_finished_all_groups` (HMA's per-group block ids) are counted below.
 """
 from __future__ import annotations
 
@@ -189,6 +197,10 @@ def _build_connector_class() -> type:
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
             before = _thread_ids()
+            if role == KVConnectorRole.WORKER:
+                from kv_transfer import short_conv
+
+                short_conv.install()  # LFM2's conv state through the same hybrid descriptors
             if role == KVConnectorRole.WORKER and current_platform.device_type == "cpu":
                 install_progress_delay()
             super().__init__(vllm_config, role, kv_cache_config)  # the worker half starts NIXL's threads

@@ -20,6 +20,16 @@ Each side counts its own work; `kv_transfer.segment_stats.segment_stats()` reads
 
 Both sides meet the submitting code in the process SegmentTable (one engine per process,
 in-process engine with one worker).
+
+Hybrid memory allocator (HMA): the class declares vLLM's `SupportsHMA`, so an engine that runs it
+(alone or inside vLLM's MultiConnector, which supports HMA only when every child does) keeps vLLM's
+hybrid KV cache manager on — without it a hybrid (Mamba/conv/GDN) model cannot start. Honouring it:
+`request_finished_all_groups` (the per-group block ids HMA passes) ends a request like
+`request_finished`; on an engine whose KV cache is not one full-attention group the scheduler side
+is disabled with the reason (segment_scheduler.kv_cache_blocker), so no load or capture is ever
+planned against a recurrent or sliding-window group and every injection is recomputed. This
+connector never restores recurrent state, so it keeps the base class's
+`supports_divergent_local_hybrid_hits = False`.
 """
 from __future__ import annotations
 
@@ -30,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kv_transfer.segment_meta import PARAMS_KEY, SegmentConnectorMetadata
@@ -48,13 +59,13 @@ if TYPE_CHECKING:
 __all__ = ["PARAMS_KEY", "SegmentConnector", "SegmentConnectorMetadata"]
 
 
-class SegmentConnector(KVConnectorBase_V1):
+class SegmentConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._scheduler: SegmentScheduler | None = None
         self._worker: SegmentWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SegmentScheduler.from_config(vllm_config)
+            self._scheduler = SegmentScheduler.from_config(vllm_config, kv_cache_config)
         elif role == KVConnectorRole.WORKER:
             self._worker = SegmentWorker.from_config(vllm_config)
         else:
@@ -96,6 +107,11 @@ class SegmentConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """HMA's end of a request (block ids per KV cache group): nothing is saved asynchronously,
+        so no group's blocks are held; segments only ever used group 0."""
+        return self._sched().request_finished(request, block_ids[0] if block_ids else [])
 
     # ---- worker side --------------------------------------------------------------------------
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

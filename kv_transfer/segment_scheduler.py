@@ -8,6 +8,13 @@ Rules (from vLLM's scheduler): a connector can only extend the local prefix-cach
 contiguous run, and at least one prompt token must stay to compute, so inject_end < prompt length.
 The offered segments' token ids must equal the prompt's first inject_end tokens, else nothing is
 loaded (counted as `unavailable`) and vLLM computes the whole prompt.
+
+KV cache groups (vLLM's hybrid memory allocator, HMA): segments are attention K/V only, laid at
+slots of one block table. So injection and capture run only when the engine has exactly one KV
+cache group and it is full attention (every layer shares block_ids[0]); `kv_cache_blocker` names
+what else it finds — a recurrent (Mamba/conv/GDN) state group, whose state at the end of the
+injected span no position-free segment can supply, or several attention groups (sliding window)
+— and the side is then disabled: injections computed, captures failed at once with that reason.
 """
 from __future__ import annotations
 
@@ -23,9 +30,29 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 logger = logging.getLogger("baton.kv_transfer.segments")
+
+
+def kv_cache_blocker(kv_cache_config: KVCacheConfig | None) -> str | None:
+    """Pure: why segments cannot go into this engine's KV cache groups, or None when they can
+    (one full-attention group; None config: the single-group layout connectors got before HMA)."""
+    if kv_cache_config is None:
+        return None
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if kv_cache_config.has_mamba_layers:
+        return ("the model keeps recurrent (Mamba/conv/GDN) state, and position-free attention segments cannot "
+                "supply the state at the end of an injected span")
+    if len(groups) != 1:
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+        return f"{len(groups)} KV cache groups ({', '.join(kinds)}); segments are laid into one full-attention group"
+    if not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        return f"the KV cache group is {type(groups[0].kv_cache_spec).__name__}, not full attention"
+    return None
 
 
 @dataclass
@@ -57,14 +84,16 @@ class SegmentScheduler:
         self._pending_captures: dict[str, _PendingCapture] = {}
 
     @classmethod
-    def from_config(cls, vllm_config: VllmConfig) -> SegmentScheduler:
+    def from_config(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None = None) -> SegmentScheduler:
         from kv_transfer.rope import UnsupportedRope, rope_from_vllm_config
 
         try:
             rope_from_vllm_config(vllm_config)
-            disabled = None
+            why = kv_cache_blocker(kv_cache_config)
         except UnsupportedRope as e:
-            disabled = f"KV injection and capture are off on this engine: {e}"
+            why = str(e)
+        disabled = None if why is None else f"KV injection and capture are off on this engine: {why}"
+        if disabled is not None:
             logger.warning("%s; memories and real-time windows are computed from tokens instead", disabled)
         return cls(vllm_config.cache_config.block_size, disabled=disabled)
 

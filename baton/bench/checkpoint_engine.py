@@ -19,13 +19,13 @@ ROOT = REPO_ROOT
 TINY_HYBRID = ROOT / ".cache" / "models" / "tiny-lfm2"
 
 
-def engine_kwargs(mode: str, ckpt: dict[str, Any] | None, max_model_len: int) -> dict[str, Any]:
+def engine_kwargs(mode: str, ckpt: dict[str, Any] | None, max_model_len: int, dtype: str = "float32") -> dict[str, Any]:
     """mode: 'nocache' (prefix caching off), 'vllm' (vLLM's own hybrid prefix cache), 'baton' (ckpt)."""
     from baton.engine.args import build_engine_spec
     from baton.engine.config import EngineConfig
 
     cfg = EngineConfig(
-        model=str(TINY_HYBRID), max_model_len=max_model_len, dtype="float32", kv_cache_gib=0.5, max_num_seqs=4,
+        model=str(TINY_HYBRID), max_model_len=max_model_len, dtype=dtype, kv_cache_gib=0.5, max_num_seqs=4,
         enable_prefix_caching=mode != "nocache", checkpoints=ckpt if mode == "baton" else None,
     )
     spec = build_engine_spec(cfg, role="decode", handoff=False, model_path=str(TINY_HYBRID), on_gpu=False, cache_root=str(ROOT / ".cache"))
@@ -33,9 +33,10 @@ def engine_kwargs(mode: str, ckpt: dict[str, Any] | None, max_model_len: int) ->
     return spec.engine_kwargs
 
 
-def _run(mode: str, ckpt: dict[str, Any] | None, prompts: list[list[int]], max_tokens: int, max_model_len: int, out: Any) -> None:
+def _run(mode: str, ckpt: dict[str, Any] | None, prompts: list[list[int]], max_tokens: int, max_model_len: int, dtype: str,
+         out: Any) -> None:
     try:
-        kwargs = engine_kwargs(mode, ckpt, max_model_len)
+        kwargs = engine_kwargs(mode, ckpt, max_model_len, dtype)
         from vllm import SamplingParams
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -66,11 +67,11 @@ def _run(mode: str, ckpt: dict[str, Any] | None, prompts: list[list[int]], max_t
 
 
 def run_engine(mode: str, prompts: list[list[int]], *, ckpt: dict[str, Any] | None = None, max_tokens: int = 8, max_model_len: int = 4096,
-               timeout_s: float = 900) -> dict[str, Any]:
+               dtype: str = "float32", timeout_s: float = 900) -> dict[str, Any]:
     """Start an engine in a fresh process, send the prompts one after another, return its rows."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_run, args=(mode, ckpt, prompts, max_tokens, max_model_len, q), daemon=True)
+    p = ctx.Process(target=_run, args=(mode, ckpt, prompts, max_tokens, max_model_len, dtype, q), daemon=True)
     p.start()
     try:
         res = q.get(timeout=timeout_s)

@@ -11,11 +11,16 @@ in-sample  each first-block family planned once from the whole stream and scored
         objective, exact): a check of the solver, printed and in the JSON, never in the RESULT.
 engine  (skipped with --offline) LoCoMo requests on the real tiny-LFM2 engine (prefix caching off,
         then Baton's scheduler per strategy): TTFT, greedy tokens vs no-cache, hits vs the replay.
+hybrid P/D  (skipped with --offline) `serve run` of cluster_configs/local_hybrid_pd.yaml: first
+        turns prefilled remotely, KV + conv state moved over NIXL, greedy text vs one no-cache
+        engine; one transfer per conversation, second turns pinned (baton/bench/checkpoint_pd.py).
 
 Writes checkpoints.json + checkpoints_pareto.png under the out dir, prints a table per workload
 (with every point the DP loses to), and ends with
 RESULT dp_dominates_online=… exact_outputs=… states_ratio_vs_vllm_default_same_saving=…
-recompute_ratio_vs_vllm_default_same_states=… (each ratio at its worst workload, named on the line before).
+recompute_ratio_vs_vllm_default_same_states=… hybrid_pd_exact=… (each ratio at its worst workload, named on
+the line before; hybrid_pd_exact is true only when every remote prefill gave the reference's
+tokens and each first turn was really moved, once).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from typing import Any
 
 from baton.bench.checkpoint_engine import TINY_HYBRID, run_engine
 from baton.bench.checkpoint_online import compare, print_table, state_bytes, summary
+from baton.bench.checkpoint_pd import hybrid_pd_phase
 from baton.bench.checkpoint_retention import VllmDefault
 from baton.bench.checkpoint_sim import StreamRequest, block_keys, match_depths, replay, simulate_keyed, steady_state
 from baton.bench.checkpoint_workloads import (
@@ -241,6 +247,14 @@ def run(quick: bool, out_dir: Path, offline: bool = False) -> None:
                   f"{r.get('hits_match_simulator', '-')!s:>5} {r.get('recomputed_tokens', '-'):>7} {r.get('checkpoints_held', '-'):>5} "
                   f"{r.get('state_bytes', 0) / 2**20:>10.1f}")
     doc["engine"] = engine
+    pd: dict[str, Any] | None = None
+    if not offline:
+        firsts = [p[:3000] for p in prompts[: 4 if quick else 12]]
+        pd = hybrid_pd_phase(firsts, max_tokens=16, log_dir=out_dir / "serve-hybrid-pd")
+        print(f"\nhybrid P/D ({pd['config']}, {pd['dtype']}, {pd['requests']} conversations, 2 turns each): exact "
+              f"{sum(r['exact'] for r in pd['rows'])}/{pd['requests']} vs one no-cache engine; transfers after first turns "
+              f"{pd['first_turn_transfers']}, after second turns {pd['total_transfers']}; pinned={str(pd['pinned']).lower()}")
+    doc["hybrid_pd"] = pd
     doc["wall_s"] = round(time.monotonic() - t0, 1)
     (out_dir / "checkpoints.json").write_text(json.dumps(doc, indent=1, default=str))
     plot(doc["online"], out_dir / "checkpoints_pareto.png", pool_bytes)
@@ -254,4 +268,5 @@ def run(quick: bool, out_dir: Path, offline: bool = False) -> None:
     exact = "not_run" if engine is None else str(engine["exact_outputs"]).lower()
     print(f"RESULT dp_dominates_online={str(summ['dp_dominates_online']).lower()} exact_outputs={exact} "
           f"states_ratio_vs_vllm_default_same_saving={'unreached' if sr is None else f'{sr:.3f}'} "
-          f"recompute_ratio_vs_vllm_default_same_states={'none' if rr is None else f'{rr:.3f}'}")
+          f"recompute_ratio_vs_vllm_default_same_states={'none' if rr is None else f'{rr:.3f}'} "
+          f"hybrid_pd_exact={'not_run' if pd is None else str(pd['exact'] and pd['one_handoff_each']).lower()}")

@@ -10,7 +10,7 @@ from baton.engine.checkpoints.config import CheckpointConfig
 from baton.engine.config import EngineConfig
 from baton.engine.cpu_cores import CpuCores, core_slices
 from baton.engine.simulated.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, SimulatedSpec
-from kv_transfer.config import PoolRole, kv_transfer_engine_arg
+from kv_transfer.config import PoolRole, kv_transfer_engine_arg, kv_transfer_engine_env
 
 GIB = 1 << 30
 
@@ -114,6 +114,7 @@ def build_engine_spec(
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
+    env.update(kv_transfer_engine_env(role, handoff=handoff, on_gpu=on_gpu))
     if not on_gpu:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind
         env["OMP_NUM_THREADS"] = str(cfg.cpu_threads)

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from deployments.config import AppConfig, ConfigError, PoolConfig, RoutingConfig, load_app_config
+from router.policy import DISAGGREGATED
 
 CLUSTER_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "cluster_configs").glob("*.yaml"))
 
@@ -42,7 +43,7 @@ def test_there_are_cluster_configs() -> None:
 
 # the tiny random-weight LFM2's chat template renders no tools: a request with tools gets 400
 # tools_unavailable there, rather than tools the model never sees
-WITHOUT_TOOLS = {"local_hybrid.yaml"}
+WITHOUT_TOOLS = {"local_hybrid.yaml", "local_hybrid_pd.yaml"}
 
 
 @pytest.mark.parametrize("path", CLUSTER_CONFIGS, ids=lambda p: p.name)
@@ -82,10 +83,11 @@ def replicas_at_most(pool: PoolConfig | None) -> int:
     return pool.autoscaling.max_replicas if pool.autoscaling is not None else pool.num_replicas
 
 
-def test_local_config_fits_the_resources_its_comment_gives_ray() -> None:
-    """local.yaml's header tells users which custom resources to give `ray start`; every replica
-    of every pool must fit in them (and run on CPU)."""
-    text = (CLUSTER_CONFIGS[0].parent / "local.yaml").read_text()
+@pytest.mark.parametrize("name", ["local.yaml", "local_hybrid_pd.yaml"])
+def test_local_config_fits_the_resources_its_comment_gives_ray(name: str) -> None:
+    """A local config's header tells users which custom resources to give `ray start`; every
+    replica of every pool must fit in them (and run on CPU)."""
+    text = (CLUSTER_CONFIGS[0].parent / name).read_text()
     cpus, offered = ray_start_resources(text)
     cfg = load_app_config(yaml.safe_load(text)["applications"][0]["args"])
     asked: dict[str, float] = {}
@@ -345,11 +347,41 @@ def _hybrid(**top: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("change", "named"), [
-    ({"routing": {"policy": "conversation"}, "prefill": {"num_replicas": 1, "engine": {"model": "m"}}}, "hands KV off"),
     ({"memory": {}}, "memory (KV injection)"),
     ({"realtime": {}}, "realtime (held windows)"),
 ])
-def test_checkpoints_with_a_kv_connector_are_refused_by_what_configures_it(change: dict[str, Any], named: str) -> None:
+def test_checkpoints_with_injected_kv_are_refused_by_what_injects_it(change: dict[str, Any], named: str) -> None:
     assert load_app_config(_hybrid()).decode.engine.checkpoints is not None  # colocated, no memory or realtime: runs
     message = config_error({**_hybrid(), **change})
-    assert "engine.checkpoints" in message and named in message and "colocated" in message
+    assert "engine.checkpoints" in message and named in message and "recurrent" in message
+
+
+@pytest.mark.parametrize("policy", sorted(DISAGGREGATED))
+def test_checkpoints_run_with_a_nixl_handoff_whose_connectors_declare_hma(policy: str) -> None:
+    args = {**_hybrid(), "routing": {"policy": policy}, "prefill": {"num_replicas": 1, "engine": {"model": "m", "checkpoints": {}}}}
+    cfg = load_app_config(args)
+    assert cfg.decode.engine.checkpoints is not None and cfg.prefill is not None and cfg.prefill.engine.checkpoints is not None
+
+
+def test_the_hybrid_pd_config_hands_off_and_keeps_checkpoints_on_its_decoder() -> None:
+    from baton.engine.args import build_engine_spec
+    from kv_transfer.config import stack_supports_hma
+
+    doc = yaml.safe_load((CLUSTER_CONFIGS[0].parent / "local_hybrid_pd.yaml").read_text())
+    cfg = load_app_config(doc["applications"][0]["args"])
+    assert cfg.routing.policy == "conversation" and cfg.prefill is not None and cfg.prefill.num_replicas >= 1
+    assert cfg.prefill.engine.model == cfg.decode.engine.model == "tiny-lfm2"
+    assert cfg.decode.engine.checkpoints is not None and cfg.memory is None and cfg.realtime is None
+    for role, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+        spec = build_engine_spec(pool.engine, role=role, handoff=True, model_path="/m", on_gpu=False, cache_root="/c")
+        assert stack_supports_hma(spec.engine_kwargs["kv_transfer_config"])
+        assert spec.env["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"
+
+
+def test_checkpoints_with_a_handoff_are_refused_when_a_connector_lacks_hma(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kv_transfer.config as kv_config
+
+    monkeypatch.setattr(kv_config, "HMA_CONNECTORS", frozenset({"SegmentConnector"}))  # as if NIXL declared no HMA
+    args = {**_hybrid(), "routing": {"policy": "conversation"}, "prefill": {"num_replicas": 1, "engine": {"model": "m"}}}
+    message = config_error(args)
+    assert "decode.engine.checkpoints" in message and "SupportsHMA" in message and "CountingNixlConnector" in message

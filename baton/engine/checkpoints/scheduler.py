@@ -8,7 +8,9 @@ fails loudly when an upgrade moves one):
 
   what is observed  Scheduler._get_local_prefix_cache_hit → the request's match depth (from its
                     chained block hashes, independent of what is kept) feeds the family histogram;
-                    vLLM's shared-prefix junction is dropped (the plan decides every kept state).
+                    vLLM's shared-prefix junction is dropped (the plan decides every kept state),
+                    and the hit is never reported divergent, so with a KV connector (NIXL) vLLM's
+                    `hit_diverged` fallback never re-runs get_computed_blocks to restore it.
   what is computed  Scheduler._mamba_block_aligned_split → chunks also end at planned positions.
   what is kept      MambaManager.reachable_block_mask (still a classmethod: connectors call it on
                     the class) keeps a state block iff the plan of the request being cached holds
@@ -153,7 +155,16 @@ class CheckpointScheduler(Scheduler):
         return self.checkpoint_policy.plan(self.family_of(request))
 
     def _get_local_prefix_cache_hit(self, request: Any) -> Any:
-        blocks, num_local, _junction, diverged = super()._get_local_prefix_cache_hit(request)
+        """The local hit every KV cache group agrees on, never a divergent one.
+
+        With a connector that restores lagging recurrent state (NIXL: supports_divergent_local_hybrid_hits),
+        vLLM's own version reports the full-attention hit even where no kept state backs it, and
+        when the connector then finds nothing to load it re-runs get_computed_blocks, which sets
+        the shared-prefix junction again — a state the plan did not choose. Taking the agreed
+        boundary here (what vLLM does for every other connector) means that path never runs: the
+        connector sees the shallower hit and loads from there (a remote prefill moves a little
+        more), and every kept state stays the plan's."""
+        blocks, num_local, _junction = self.kv_cache_manager.get_computed_blocks(request)
         if request.request_id not in self._observed:
             keys = self._block_keys(request)
             match = self._depths.observe(keys, request.num_prompt_tokens)
@@ -164,7 +175,7 @@ class CheckpointScheduler(Scheduler):
             while len(self._observed) > 4096:
                 self._observed.popitem(last=False)
         # the plan decides every kept state: no extra state at vLLM's shared-prefix junction
-        return blocks, num_local, 0, diverged
+        return blocks, num_local, 0, False
 
     # ---- what is computed
     def _mamba_block_aligned_split(self, request: Any, num_new_tokens: int, num_new_local_computed_tokens: int = 0,
