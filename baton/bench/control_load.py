@@ -4,7 +4,8 @@
 multi-turn conversations back to back: a conversation has its own `x-session-id`, each turn
 appends a short user message to the history (and the reply after it), so the first turn is a
 new placement and the later ones are the directory's pinned look-ups. A conversation ends after
-`turns_per_conversation` turns or at its first failure; the client then starts the next one.
+`turns_per_conversation` turns or at its first failure; the client then starts the next one
+(after FAILURE_PAUSE_S when it failed, so a dead server is not hammered in a hot loop).
 
 Timeline of a point: [warm-up | measured window]. Turns started in the warm-up are not reported
 (only counted); every turn started in the window is kept, ok or failed, and awaited to its end
@@ -29,6 +30,7 @@ from baton.bench.control_stats import TurnSample
 from deployments.hop_timing import parse_server_timing
 
 SESSION_HEADER = "x-session-id"
+FAILURE_PAUSE_S = 0.005  # a client's pause after a failed turn, before its next conversation
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,7 @@ async def _client(http: httpx.AsyncClient, url: str, spec: LoadSpec, window: _Wi
                 reply = _Reply(False, "", None, type(e).__name__)
             window.record(started, time.monotonic(), reply, status, hops)
             if not reply.ok:
+                await asyncio.sleep(FAILURE_PAUSE_S)  # a refused connection must not spin the client
                 break  # a failed turn ends its conversation; the next one starts afresh
             messages.append({"role": "assistant", "content": reply.text})
         conversation += 1

@@ -32,6 +32,8 @@ def plot(points: Sequence[PointStats], path: Path) -> None:
     route_ax.axhline(GOAL_ROUTE_P99_S * 1000, color="grey", linestyle="--", linewidth=1, label="goal")
     for ax, title in ((rate_ax, "routing decisions / s (ok turns / s)"), (route_ax, "directory (route hop) p99, ms")):
         ax.set_xscale("log", base=2)
+        concurrencies = sorted({p.concurrency for p in points})
+        ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
         ax.set_xlabel("concurrent closed-loop clients")
         ax.set_title(title)
         ax.grid(alpha=0.3)
