@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import tempfile
 import time
 from dataclasses import asdict
@@ -65,6 +66,7 @@ from baton.bench.control_stats import (
     projected_free_bytes,
     result_line,
     saturation_concurrency,
+    size_served,
     summarize_point,
 )
 
@@ -88,6 +90,35 @@ def _wait_all_live(url: str, replicas: int, timeout_s: float) -> float:
             return time.monotonic() - t0
         time.sleep(1)
     raise RuntimeError(f"only {live} of {replicas} decode replicas live after {timeout_s:.0f}s")
+
+
+IDLE_SAMPLE_S = 10.0
+
+
+def _ray_pids() -> list[int]:
+    """Every process of the local Ray cluster (raylet, GCS, workers, Serve's controller and proxies)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if cmd.startswith(b"ray::") or b"/ray/" in cmd.split(b"\0", 1)[0] or b"raylet" in cmd or b"gcs_server" in cmd:
+            out.append(int(pid))
+    return out
+
+
+def _idle_cpu_share(seconds: float) -> dict[str, float]:
+    """Cores used while no request is in flight: by the decode replicas (each and together) and by
+    every Ray process (what a fleet of this size costs before it serves anything)."""
+    from baton.bench.cluster import process_cpu_seconds, replica_pids
+
+    decode, every = replica_pids("decode"), _ray_pids()
+    d0, a0, t0 = process_cpu_seconds(decode), process_cpu_seconds(every), time.monotonic()
+    time.sleep(seconds)
+    dt = time.monotonic() - t0
+    d, a = (process_cpu_seconds(decode) - d0) / dt, (process_cpu_seconds(every) - a0) / dt
+    return {"seconds": dt, "decode_total": d, "per_replica": d / max(1, len(decode)), "all_ray": a, "decode_processes": len(decode)}
 
 
 def _ms(x: float | None) -> str:
@@ -115,12 +146,10 @@ def _run_size(n: int, sw: Sweep, out_dir: Path, available_idle: int) -> tuple[di
     extras: list[dict[str, Any]] = []
     with app as running:
         live_s = _wait_all_live(running.url, n, timeout_s=start_timeout_s(n))
-        rss = replica_rss_bytes("decode")
-        others = {d: sum(replica_rss_bytes(d)) for d in ("ingress", "directory")}
-        model = memory_model(rss, available_idle, _available())
-        print(f"[control] {n} replicas live ({running.start_seconds:.0f}s to /health, +{live_s:.0f}s to all live); "
-              f"decode RSS {model.per_replica_bytes / MIB:.0f} MiB each ({len(rss)} processes), rest of the cluster "
-              f"{model.base_bytes / GIB:.2f} GiB")
+        idle_cpu = _idle_cpu_share(IDLE_SAMPLE_S)
+        print(f"[control] idle for {IDLE_SAMPLE_S:.0f}s: decode replicas used {idle_cpu['per_replica'] * 100:.1f}% of a core each, "
+              f"{idle_cpu['decode_total']:.2f} cores together; the whole cluster {idle_cpu['all_ray']:.2f} cores")
+        print(f"[control] {n} replicas live ({running.start_seconds:.0f}s to /health, +{live_s:.0f}s to all live)")
         print(HEADER)
         for c in sw.concurrencies:
             spec = LoadSpec(model=served_model(args), concurrency=c, duration_s=sw.duration_s, warmup_s=sw.warmup_s, max_tokens=MAX_TOKENS)
@@ -131,6 +160,13 @@ def _run_size(n: int, sw: Sweep, out_dir: Path, available_idle: int) -> tuple[di
             points.append(point)
             extras.append({"replicas": n, "concurrency": c, "warmup_turns": load.warmup_turns, "warmup_failures": load.warmup_failures,
                            "client_cpu_share": cpu_share})
+        # memory after the load: a stand-in engine's first steps load what it needs (its RSS at
+        # start-up undercounts); the projection for larger sizes uses this
+        rss = replica_rss_bytes("decode")
+        others = {d: sum(replica_rss_bytes(d)) for d in ("ingress", "directory")}
+        model = memory_model(rss, available_idle, _available())
+        print(f"[control] after the load: decode RSS {model.per_replica_bytes / MIB:.0f} MiB each ({len(rss)} processes), "
+              f"rest of the cluster {model.base_bytes / GIB:.2f} GiB")
         try:
             stats = httpx.get(f"{running.url}/baton/stats", timeout=10).json()
         except (httpx.HTTPError, ValueError) as e:
@@ -140,7 +176,7 @@ def _run_size(n: int, sw: Sweep, out_dir: Path, available_idle: int) -> tuple[di
     record = {
         "replicas": n, "status": "ran", "start_s": running.start_seconds, "all_live_s": live_s,
         "decode_rss_bytes": rss, "ingress_rss_bytes": others["ingress"], "directory_rss_bytes": others["directory"],
-        "memory_model": asdict(model), "saturated_at_concurrency": knee, "points_extra": extras,
+        "memory_model": asdict(model), "saturated_at_concurrency": knee, "points_extra": extras, "idle_cpu": idle_cpu,
         "directory": {k: stats.get(k) for k in ("policy", "live_pins", "conversations_total", "turns_total", "totals")},
         "live_decode_replicas_at_end": live_decode_replicas(stats), "ingress": stats.get("ingress"),
     }
@@ -183,11 +219,11 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             sizes.append({"replicas": n, "status": "failed", "error": str(e), "available_bytes": available})
             sizes.extend({"replicas": m, "status": "not_tried"} for m in sw.replicas[i + 1:])
             break
-        sizes.append({**record, "available_bytes": available})
+        sizes.append({**record, "served": size_served(got, n), "available_bytes": available})
         points.extend(got)
         if model is None:
             model, idle_first = size_model, available
-    ran = [s["replicas"] for s in sizes if s["status"] == "ran"]
+    ran = [s["replicas"] for s in sizes if s["status"] == "ran" and s.get("served")]
     max_run = max(ran) if ran else None
     ceiling = projected_ceiling(model, idle_first) if model is not None and idle_first is not None else None
     goal = goal_verdict(points, max_run) if max_run is not None else None

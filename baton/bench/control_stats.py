@@ -206,6 +206,19 @@ def result_line(points: Sequence[PointStats], max_replicas_run: int | None, per_
             f"per_replica_rss_mib={rss} saturated_at_concurrency={sat}")
 
 
+MAX_FAILURE_SHARE = 0.01  # a size "holds" only if its turns failed at most this often
+
+
+def size_served(points: Sequence[PointStats], replicas: int, max_failure_share: float = MAX_FAILURE_SHARE) -> bool:
+    """Whether a fleet size really served: at least one point of it completed turns, and over all
+    of its points no more than max_failure_share of the turns failed (a size that started but
+    timed every turn out is not one this machine holds)."""
+    mine = [p for p in points if p.replicas == replicas]
+    turns = sum(p.turns for p in mine)
+    failures = sum(p.failures for p in mine)
+    return turns > failures and failures <= max_failure_share * turns
+
+
 def mem_available_bytes(meminfo: str) -> int:
     """MemAvailable from the text of /proc/meminfo (the kernel's estimate of memory that can be
     had without swapping)."""

@@ -16,11 +16,12 @@ from baton.bench.control_stats import GIB, MIB, MemoryModel, PointStats, TurnSam
 MODEL = MemoryModel(per_replica_bytes=100 * MIB, base_bytes=1 * GIB)
 
 
-def fake_size(rates: dict[int, list[float]], fail_at: int | None = None) -> Any:
+def fake_size(rates: dict[int, list[float]], fail_at: int | None = None, all_fail_at: int | None = None) -> Any:
     def run_size(n: int, sw: Sweep, out_dir: Path, available: int) -> tuple[dict[str, Any], list[PointStats], MemoryModel]:
         if n == fail_at:
             raise RuntimeError(f"only 3 of {n} decode replicas live")
-        turn = TurnSample(ok=True, started_s=0.0, latency_s=0.01, ttft_s=0.01, hops={"route": 0.001 * n / 8, "total": 0.005})
+        turn = TurnSample(ok=n != all_fail_at, started_s=0.0, latency_s=0.01, ttft_s=0.01,
+                          hops={"route": 0.001 * n / 8, "total": 0.005}, error=None if n != all_fail_at else "timeout")
         points = [summarize_point(n, c, [turn] * int(r), 1.0) for c, r in zip(sw.concurrencies, rates[n], strict=True)]
         return {"replicas": n, "status": "ran", "saturated_at_concurrency": None}, points, MODEL
     return run_size
@@ -55,6 +56,15 @@ def test_a_size_that_does_not_start_ends_the_sweep(monkeypatch: pytest.MonkeyPat
     assert [s["status"] for s in report["sizes"]] == ["ran", "failed", "not_tried", "not_tried"]
     assert "3 of 32" in report["sizes"][1]["error"]
     assert report["max_replicas"] == 8 and report["result"].endswith("saturated_at_concurrency=32")
+
+
+@pytest.mark.usefixtures("sixteen_gib")
+def test_a_size_that_started_but_failed_its_turns_is_not_one_the_machine_holds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    rates = {8: [100, 300], 32: [50, 50]}
+    monkeypatch.setattr(control, "_run_size", fake_size(rates, all_fail_at=32))
+    report = control.run(quick=True, out_dir=tmp_path)
+    assert [(s["replicas"], s["status"], s["served"]) for s in report["sizes"]] == [(8, "ran", True), (32, "ran", False)]
+    assert report["max_replicas"] == 8 and "max_replicas_on_this_machine=8 " in report["result"]
 
 
 @pytest.mark.usefixtures("sixteen_gib")

@@ -137,3 +137,30 @@ def test_mem_available_and_live_replicas() -> None:
     stats = {"replicas": {"a": {"pool": "decode", "live": True}, "b": {"pool": "decode", "live": False},
                           "c": {"pool": "prefill", "live": True}, "d": {"pool": "decode", "live": True}}}
     assert live_decode_replicas(stats) == 2 and live_decode_replicas({}) == 0
+
+
+def test_a_size_serves_only_when_its_turns_mostly_completed() -> None:
+    from baton.bench.control_stats import size_served
+
+    ok = TurnSample(ok=True, started_s=0.0, latency_s=0.01, hops={"total": 0.005})
+    bad = TurnSample(ok=False, started_s=0.0, latency_s=30.0, error="timeout")
+    points = [summarize_point(8, 8, [ok] * 200, 1.0), summarize_point(8, 32, [ok] * 199 + [bad], 1.0),
+              summarize_point(32, 8, [], 1.0), summarize_point(32, 32, [bad] * 52, 1.0),
+              summarize_point(64, 8, [ok] * 90 + [bad] * 10, 1.0)]
+    assert size_served(points, 8)  # 1 failure in 400 turns
+    assert not size_served(points, 32)  # started, never completed a turn
+    assert not size_served(points, 64)  # 10 % failed
+    assert not size_served(points, 128)  # never ran
+
+
+def test_process_cpu_seconds_counts_this_process_work() -> None:
+    import os
+
+    from baton.bench.cluster import process_cpu_seconds
+
+    before = process_cpu_seconds([os.getpid()])
+    x = 0
+    for i in range(3_000_000):
+        x += i * i
+    assert process_cpu_seconds([os.getpid()]) > before >= 0
+    assert process_cpu_seconds([2**22 + 7]) == 0  # a pid that does not exist counts nothing
