@@ -50,7 +50,7 @@ from typing import Any
 import httpx
 
 from baton.bench.control_config import MAX_TOKENS, SLOT, TIME_SCALE, Sweep, app_args, served_model, start_timeout_s, sweep
-from baton.bench.control_load import LoadSpec, run_point
+from baton.bench.control_load import LoadSpec, run_point, warm_replicas
 from baton.bench.control_stats import (
     GIB,
     MIB,
@@ -150,6 +150,9 @@ def _run_size(n: int, sw: Sweep, out_dir: Path, available_idle: int) -> tuple[di
         print(f"[control] idle for {IDLE_SAMPLE_S:.0f}s: decode replicas used {idle_cpu['per_replica'] * 100:.1f}% of a core each, "
               f"{idle_cpu['decode_total']:.2f} cores together; the whole cluster {idle_cpu['all_ray']:.2f} cores")
         print(f"[control] {n} replicas live ({running.start_seconds:.0f}s to /health, +{live_s:.0f}s to all live)")
+        warm = asyncio.run(warm_replicas(running.url, served_model(args), n))
+        print(f"[control] warm-up: {warm['conversations']} first turns in {warm['seconds']:.0f}s ({warm['failed']} failed), "
+              f"decisions spread over {warm['replicas_used']} of {n} replicas")
         print(HEADER)
         for c in sw.concurrencies:
             spec = LoadSpec(model=served_model(args), concurrency=c, duration_s=sw.duration_s, warmup_s=sw.warmup_s, max_tokens=MAX_TOKENS)
@@ -176,7 +179,7 @@ def _run_size(n: int, sw: Sweep, out_dir: Path, available_idle: int) -> tuple[di
     record = {
         "replicas": n, "status": "ran", "start_s": running.start_seconds, "all_live_s": live_s,
         "decode_rss_bytes": rss, "ingress_rss_bytes": others["ingress"], "directory_rss_bytes": others["directory"],
-        "memory_model": asdict(model), "saturated_at_concurrency": knee, "points_extra": extras, "idle_cpu": idle_cpu,
+        "memory_model": asdict(model), "saturated_at_concurrency": knee, "points_extra": extras, "idle_cpu": idle_cpu, "warm_up": warm,
         "directory": {k: stats.get(k) for k in ("policy", "live_pins", "conversations_total", "turns_total", "totals")},
         "live_decode_replicas_at_end": live_decode_replicas(stats), "ingress": stats.get("ingress"),
     }

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,3 +173,33 @@ async def run_point(base_url: str, spec: LoadSpec, *, tag: str = "ctl", transpor
         await asyncio.gather(*(_client(http, url, spec, window, tag, i) for i in range(spec.concurrency)))
     return PointLoad(turns=window.turns, elapsed_s=window.last_end - window.t0, warmup_turns=window.warmup_turns,
                      warmup_failures=window.warmup_failures, client_cpu_s=time.process_time() - cpu0)
+
+
+WARM_TIMEOUT_S = 240.0
+
+
+async def warm_replicas(base_url: str, model: str, replicas: int, *, rounds: int = 2,
+                        transport: httpx.AsyncBaseTransport | None = None) -> dict[str, Any]:
+    """Before a size is measured: `rounds` waves of `replicas` concurrent one-turn conversations,
+    each wave awaited, so every replica has run steps (a stand-in engine loads its timing data on its
+    first steps, seconds of CPU that would otherwise fall into the first measured point). Returns
+    how many turns ran and failed, how long it took, and how many distinct replicas served them
+    (x-baton-replica); a turn still failing at WARM_TIMEOUT_S counts as failed, the sweep goes on."""
+    url = f"{base_url.rstrip('/')}/v1/chat/completions"
+    t0, used, failed = time.monotonic(), set(), 0
+    limits = httpx.Limits(max_connections=replicas, max_keepalive_connections=replicas)
+    async with httpx.AsyncClient(limits=limits, timeout=WARM_TIMEOUT_S, transport=transport) as http:
+        async def one(i: int) -> None:
+            nonlocal failed
+            body = {"model": model, "messages": [{"role": "user", "content": f"warm-up {i}"}], "max_tokens": 1}
+            try:
+                r = await http.post(url, json=body, headers={SESSION_HEADER: f"warm-{i}-{uuid.uuid4().hex[:8]}"})
+                if r.status_code == 200:
+                    used.add(r.headers.get("x-baton-replica", ""))
+                else:
+                    failed += 1
+            except httpx.HTTPError:
+                failed += 1
+        for w in range(rounds):
+            await asyncio.gather(*(one(w * replicas + i) for i in range(replicas)))
+    return {"conversations": rounds * replicas, "failed": failed, "seconds": time.monotonic() - t0, "replicas_used": len(used - {""})}

@@ -33,6 +33,7 @@ def plot(points: Sequence[PointStats], path: Path) -> None:
     for ax, title in ((rate_ax, "routing decisions / s (ok turns / s)"), (route_ax, "directory (route hop) p99, ms")):
         ax.set_xscale("log", base=2)
         concurrencies = sorted({p.concurrency for p in points})
+        ax.set_xlim(concurrencies[0] / 1.5, concurrencies[-1] * 1.5)  # explicit: a panel with no finite point has no data limits
         ax.set_xticks(concurrencies, [str(c) for c in concurrencies])
         ax.set_xlabel("concurrent closed-loop clients")
         ax.set_title(title)

@@ -101,3 +101,24 @@ def test_read_event() -> None:
 def test_bad_spec(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         LoadSpec(model="m", **{"concurrency": 1, "duration_s": 1.0, **bad})  # type: ignore[arg-type]
+
+
+def test_warm_up_sends_waves_of_first_turns_and_counts_replicas_and_failures() -> None:
+    import asyncio
+    import json as _json
+
+    from baton.bench.control_load import warm_replicas
+
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = _json.loads(request.content)
+        seen.append(request.headers["x-session-id"])
+        i = int(body["messages"][0]["content"].split()[-1])
+        if i == 5:
+            return httpx.Response(503, json={"error": {"message": "busy"}})
+        return httpx.Response(200, json={"choices": []}, headers={"x-baton-replica": f"r{i % 3}"})
+
+    out = asyncio.run(warm_replicas("http://x", "m", 4, transport=httpx.MockTransport(handler)))
+    assert out["conversations"] == 8 and len(seen) == len(set(seen)) == 8  # a new conversation each
+    assert out["failed"] == 1 and out["replicas_used"] == 3

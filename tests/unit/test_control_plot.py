@@ -14,3 +14,9 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
               summarize_point(32, 8, [ok] * 12, 1.0)]
     plot(points, tmp_path / "control.png")
     assert (tmp_path / "control.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_a_size_that_completed_no_turn(tmp_path: Path) -> None:
+    points = [summarize_point(8, 8, [], 1.0), summarize_point(8, 32, [], 1.0)]  # nothing finished in the window
+    plot(points, tmp_path / "control.png")
+    assert (tmp_path / "control.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
