@@ -10,6 +10,7 @@ from baton.engine.checkpoints.config import CheckpointConfig
 from baton.engine.config import EngineConfig
 from baton.engine.cpu_cores import CpuCores, core_slices
 from baton.engine.simulated.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, SimulatedSpec
+from baton.engine.simulated.step_table_cache import table_dir
 from kv_transfer.config import PoolRole, kv_transfer_engine_arg, kv_transfer_engine_env
 
 GIB = 1 << 30
@@ -140,6 +141,6 @@ def simulated_engine_spec(cfg: EngineConfig, *, role: PoolRole, handoff: bool, m
         enable_prefix_caching=cfg.enable_prefix_caching,
         role=role,
         handoff=handoff,
-        step_table_dir=os.path.join(cache_root, "baton", "step-tables"),
+        step_table_dir=table_dir(cache_root),
     )
     return EngineSpec(engine_kwargs={}, env={}, model_path=model_path, simulated=sim)

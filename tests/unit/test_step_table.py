@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from baton.engine.simulated.step_table import ARRAYS, AXES, SHAPES, Axis, StepTable, TableKey, TableStepTimer, main
-from baton.engine.simulated.step_table_cache import default_table_dir, load_or_build, save_table, table_key
+from baton.engine.simulated.step_table_cache import load_or_build, save_table, table_dir, table_key
 from baton.engine.simulated.timing import AicStepTimer, PrefillChunk, StepBatch
 from baton.paths import REPO_ROOT
 
@@ -43,7 +43,7 @@ DRAWS = 2000
 
 @pytest.fixture(scope="module")
 def table() -> StepTable:
-    return load_or_build(default_table_dir(), GPU, MODEL, 1)
+    return load_or_build(table_dir(str(REPO_ROOT / ".cache")), GPU, MODEL, 1)
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +232,6 @@ def test_a_replica_on_the_table_never_imports_aiconfigurator(table: StepTable) -
 
 
 def test_the_command_line_prints_the_table_it_finds(table: StepTable, capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--gpu", GPU, "--model", MODEL, "--tp", "1"])
+    main(["--gpu", GPU, "--model", MODEL, "--tp", "1", "--dir", table_dir(str(REPO_ROOT / ".cache"))])
     out = capsys.readouterr().out
     assert table.key.filename in out and "loaded" in out and "KiB" in out

@@ -145,13 +145,13 @@ class TableStepTimer:
 
 def main(argv: list[str] | None = None) -> None:
     """Prebuild (or find) the cached table: python -m baton.engine.simulated.step_table --gpu h200_sxm --model ... --tp 1."""
-    from baton.engine.simulated.step_table_cache import default_table_dir, load_or_build, table_key
+    from baton.engine.simulated.step_table_cache import load_or_build, table_dir, table_key
 
     p = argparse.ArgumentParser(prog="python -m baton.engine.simulated.step_table", description=main.__doc__)
     p.add_argument("--gpu", required=True, help="AIConfigurator system, e.g. h200_sxm")
     p.add_argument("--model", required=True, help="AIConfigurator model, e.g. meta-llama/Meta-Llama-3.1-8B")
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--dir", default=default_table_dir(), help="cache folder (default: %(default)s)")
+    p.add_argument("--dir", default=table_dir(".cache"), help="cache folder (default: %(default)s, from the repo root)")
     a = p.parse_args(argv)
     path = os.path.join(a.dir, table_key(a.gpu, a.model, a.tp).filename)
     existed = os.path.exists(path)

@@ -22,15 +22,15 @@ import numpy as np
 from baton.engine.simulated.config import AIC_PACKAGE
 from baton.engine.simulated.step_table import ARRAYS, AXES, StepTable, TableKey
 from baton.engine.simulated.step_table_build import GRID_VERSION, build_table  # imports aiconfigurator_core only when it builds
-from baton.paths import REPO_ROOT
 
 log = logging.getLogger(__name__)
 
 Builder = Callable[[TableKey], StepTable]
 
 
-def default_table_dir() -> str:
-    return str(REPO_ROOT / ".cache" / "baton" / "step-tables")
+def table_dir(cache_root: str) -> str:
+    """Where the step tables of a checkout whose cache is `cache_root` (its .cache) live."""
+    return os.path.join(cache_root, "baton", "step-tables")
 
 
 def table_key(gpu: str, model: str, tp: int) -> TableKey:
