@@ -30,11 +30,13 @@ Definitions (reported as measured, nothing simulated):
   Scored (cliff_score.score_cliff) at fits 25 / 50 / 75 % of the way from the first live sample to
   t_sat: e = |t̂ − t_sat| / (t_sat − t_fit) (and the same against the onset); `error` is the median
   of e over the fit points (RESULT cliff_prediction_error), `error_vs_onset` the onset's.
-- AIMD (bounded engine, after its ramp): offered load follows a step schedule
-  (admission_sim.step_schedule): N_sust sessions (the largest live-session bucket whose ramp p99
-  ≤ target, all smaller buckets too), 2 × N_sust from 30 % of the phase, N_sust again from 70 %;
-  the cap starts at N_sust // 2 so the low part shows the additive increase and the high part the
-  ×0.7 decrease. Sessions last long enough to fill their window (admission_sim.ticks_to_fill, + 2
+- AIMD (bounded engine, after its ramp): the phase ticks at its own P = D (Workload.aimd_period_s,
+  shorter than the ramp's, so a few dozen sessions exceed what two cores hold at target) and
+  offered load follows a step schedule (admission_sim.step_schedule): aimd_low sessions, aimd_high
+  from 30 % of the phase, aimd_low again from 70 %; the cap starts at aimd_low, so the low part
+  shows the additive increase and the high part (if it really exceeds the engine) the ×0.7
+  decrease. N_sust (the ramp's largest live-session bucket within target) is reported, not used.
+  Sessions last long enough to fill their window (admission_sim.ticks_to_fill, + 2
   ticks). Clients ask `can_admit(live)`, refused ones retry after `retry_after_s`; every tick
   latency is observed (a missing tick as a miss) and `update(now, live)` runs every SAMPLE_S; the
   decisions are logged (`caps`) and counted (RESULT aimd_decreases = decisions that decreased the
@@ -48,7 +50,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +72,6 @@ LOCOMO = ROOT.parent / "shared" / "data" / "locomo"
 PREAMBLE = "You are listening to a live conversation between two friends. After each line, reply with one short comment.\n"
 SAMPLE_S = 0.5
 SAT_RHO = 0.97
-AIMD_STEP_UP = 2  # the high part of the AIMD schedule offers this many times N_sust
 BUCKET = 4  # live-session buckets of the latency curve: 1-4, 5-8, ...
 
 
@@ -87,9 +88,12 @@ class Workload:
     kv_cache_gib: float  # the engine's KV pool (small on purpose)
     max_model_len: int
     grace_s: float  # unanswered this long after a session's last deadline: cancelled, missing
-    target_p99_ms: float  # AIMD target
+    target_p99_ms: float  # AIMD target (tick latency p99, at the AIMD phase's period)
     aimd_s: float  # AIMD phase length
     aimd_ticks: int  # ticks per AIMD session, at least (more when the window needs more to fill)
+    aimd_period_s: float  # P = D in the AIMD phase
+    aimd_low: int  # sessions offered before the step up and after the step down
+    aimd_high: int  # sessions offered during the step (meant to exceed what the engine holds at target)
 
 
 # P = D = 8 s, 4 reply tokens: a probe of 20 bounded sessions ticking together at P = 2 s with 8
@@ -100,12 +104,18 @@ class Workload:
 # tick; measured N·r ≈ 100 tokens/s) and fill it ~90 s after the ramp began, leaving ~55 s of each
 # session past the wall; with 0.2-0.25 GiB the wall came at 123-150 s, too close to the sessions' end
 # (~145 s) to tell a collapse from a slow patch.
+# AIMD phase: at P = 8 s the engine held 28 live sessions at p99 0.7 s (2026-12-02), and the cap
+# (+1 per control period) could not climb past ~35 in the phase, so the step never crossed the
+# target and no decrease was ever taken. The phase ticks at P = D = 2 s instead (4x the work per
+# session; a probe of 20 sessions at P = 2 s took p50 2.2 s per tick), with the target at 0.75 P:
+# 4 sessions sit well under it, a step to 32 is far past it, and the cap, evaluated every P, can
+# climb from 4 to past the knee within the step. Whether it crosses, decreases and holds is measured.
 QUICK = Workload(sessions=20, ticks=18, start_every_s=1.5, period_s=8.0, deadline_s=8.0, sink_tokens=16,
                  window_tokens=256, max_tokens=4, kv_cache_gib=0.15, max_model_len=4096, grace_s=4.0,
-                 target_p99_ms=4000.0, aimd_s=200.0, aimd_ticks=8)
+                 target_p99_ms=1500.0, aimd_s=200.0, aimd_ticks=8, aimd_period_s=2.0, aimd_low=4, aimd_high=32)
 FULL = Workload(sessions=20, ticks=40, start_every_s=3.0, period_s=8.0, deadline_s=8.0, sink_tokens=16,
                 window_tokens=256, max_tokens=4, kv_cache_gib=0.4, max_model_len=8192, grace_s=4.0,
-                target_p99_ms=4000.0, aimd_s=300.0, aimd_ticks=10)
+                target_p99_ms=1500.0, aimd_s=300.0, aimd_ticks=10, aimd_period_s=2.0, aimd_low=4, aimd_high=40)
 
 
 def _runner(model_path: str, wl: Workload) -> Any:
@@ -385,14 +395,17 @@ async def _ramp(runner: Any, mode: str, wl: Workload, preamble: tuple[int, ...],
 
 
 async def _aimd(runner: Any, wl: Workload, preamble: tuple[int, ...], chunks: list[list[tuple[int, ...]]], n_sust: int) -> dict[str, Any]:
+    """The step schedule aimd_low -> aimd_high -> aimd_low at the AIMD period; n_sust (the ramp's,
+    at the ramp's period) is reported only."""
     from router.admission import AdmissionConfig, AIMDController
 
+    wl = replace(wl, period_s=wl.aimd_period_s, deadline_s=wl.aimd_period_s)
     # window and min_samples sized so that even a cap of 1 (one tick per P) can be evaluated
-    cfg = AdmissionConfig(target_p99_ms=wl.target_p99_ms, initial_cap=max(1, n_sust // 2), max_cap=4 * n_sust,
+    cfg = AdmissionConfig(target_p99_ms=wl.target_p99_ms, initial_cap=wl.aimd_low, max_cap=2 * wl.aimd_high,
                           control_period_s=wl.period_s, window_s=6 * wl.period_s, min_samples=5, retry_after_s=wl.period_s)
     ctl = AIMDController(cfg, now=0.0)
     phase = _Phase(runner, "bounded", wl, preamble, controller=ctl)
-    schedule = step_schedule(n_sust, AIMD_STEP_UP * n_sust, wl.aimd_s)
+    schedule = step_schedule(wl.aimd_low, wl.aimd_high, wl.aimd_s)
     per_tick = sum(len(c) for src in chunks for c in src) / max(1, sum(len(src) for src in chunks)) + wl.max_tokens
     fill = ticks_to_fill(wl.window_tokens, wl.sink_tokens, len(preamble), per_tick)
     n_ticks = max(wl.aimd_ticks, fill + 2)
@@ -444,7 +457,7 @@ async def _aimd(runner: Any, wl: Workload, preamble: tuple[int, ...], chunks: li
     loads = [c["loadavg_1m"] for c in caps]
     return {"config": cfg.model_dump(), "cpu": {"cores_used": cpu_s / max(1e-9, phase.now()),
                                                 "loadavg_1m_mean": sum(loads) / max(1, len(loads))},
-                "sustainable_sessions": n_sust, "offered_sessions": schedule.peak(),
+                "sustainable_sessions": n_sust, "offered_sessions": schedule.peak(), "period_s": wl.period_s,
             "schedule": [asdict(st) for st in schedule.steps], "session_ticks": n_ticks, "ticks_to_fill_window": fill,
             "decreases": sum(c["action"] == "decrease" for c in caps), "increases": sum(c["action"] == "increase" for c in caps),
             "refusals": refusals, "admitted_sessions": len(phase.ledgers), "steady_from_s": steady_from,
@@ -486,8 +499,9 @@ async def _main(quick: bool, out_dir: Path) -> dict[str, Any]:
             _print_mode(mode, modes[mode])
             if mode == "bounded":
                 n_sust = sustainable(modes[mode]["latency_by_live"], wl.target_p99_ms / 1000) or 1
-                print(f"[realtime] AIMD: sustainable N = {n_sust} (bounded ramp p99 <= {wl.target_p99_ms:.0f} ms); "
-                      f"offering {n_sust} -> {AIMD_STEP_UP * n_sust} -> {n_sust} sessions over {wl.aimd_s:.0f}s", flush=True)
+                print(f"[realtime] AIMD: the bounded ramp (P = {wl.period_s:.0f}s) held N = {n_sust} within {wl.target_p99_ms:.0f} ms; "
+                      f"AIMD phase at P = {wl.aimd_period_s:.0f}s offers {wl.aimd_low} -> {wl.aimd_high} -> {wl.aimd_low} sessions "
+                      f"over {wl.aimd_s:.0f}s", flush=True)
                 aimd = await _aimd(runner, wl, preamble, chunks, n_sust)
         finally:
             runner.shutdown()
@@ -562,8 +576,8 @@ def _print_summary(modes: dict[str, Any], aimd: dict[str, Any], wl: Workload) ->
               f"e={_num(p['horizon_error'])}, e_vs_onset={_num(p['onset_error'])}")
     print(f"  median: e={_num(c['error'])}, e_vs_onset={_num(c['error_vs_onset'])}")
     if aimd:
-        print(f"[realtime] AIMD: target {wl.target_p99_ms:.0f} ms, offered {aimd['sustainable_sessions']} -> {aimd['offered_sessions']} "
-              f"-> {aimd['sustainable_sessions']} in sessions of {aimd['session_ticks']} ticks; {aimd['increases']} increases, "
+        print(f"[realtime] AIMD: P = {aimd['period_s']:.0f}s, target {wl.target_p99_ms:.0f} ms, offered {wl.aimd_low} -> "
+              f"{aimd['offered_sessions']} -> {wl.aimd_low} in sessions of {aimd['session_ticks']} ticks; {aimd['increases']} increases, "
               f"{aimd['decreases']} decreases; "
               f"{aimd['admitted_sessions']} sessions admitted, {aimd['refusals']} refusals; steady cap {aimd['steady_cap_mean']:.1f} "
               f"(range {aimd['steady_cap_range']}), live {aimd['steady_live_mean']:.1f}; steady p99 {_ms(aimd['steady_p99_s'])} ms "

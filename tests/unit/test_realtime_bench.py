@@ -80,17 +80,19 @@ def synthetic_mode(pool: list[dict[str, Any]], outcomes: list[TickOutcome]) -> d
 def test_the_aimd_phase_counts_the_decreases_the_controller_made(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(realtime, "SAMPLE_S", 0.05)
     wl = dataclasses.replace(realtime.QUICK, period_s=0.1, deadline_s=0.1, sink_tokens=2, window_tokens=8, max_tokens=1,
-                             grace_s=0.1, target_p99_ms=80.0, aimd_s=3.0, aimd_ticks=4)
+                             grace_s=0.1, target_p99_ms=80.0, aimd_s=3.0, aimd_ticks=4, aimd_period_s=0.1, aimd_low=4,
+                             aimd_high=8)
     chunks = [[(10 + i, 11, 12)] * 12 for i in range(8)]
     # 4 sessions at a 0.1 s period and 20 ms per overlapping request keep time; 8 pile up
-    aimd = asyncio.run(realtime._aimd(CrowdedRunner(0.02), wl, (1, 2, 3, 4), chunks, n_sust=4))
+    aimd = asyncio.run(realtime._aimd(CrowdedRunner(0.02), wl, (1, 2, 3, 4), chunks, n_sust=3))
     actions = [c["action"] for c in aimd["caps"]]
     assert aimd["decreases"] == actions.count("decrease") >= 1
     assert aimd["increases"] == actions.count("increase")
     assert aimd["schedule"] == [{"start_s": 0.0, "sessions": 4}, {"start_s": pytest.approx(0.9), "sessions": 8},
                                 {"start_s": pytest.approx(2.1), "sessions": 4}]
     assert aimd["session_ticks"] >= aimd["ticks_to_fill_window"] + 2
-    assert aimd["config"]["initial_cap"] == 2
+    assert aimd["config"]["initial_cap"] == 4  # the low step: the cap starts there and climbs
+    assert aimd["sustainable_sessions"] == 3 and aimd["period_s"] == 0.1  # the ramp's N is reported, the phase's P used
     # the summary the bench prints reads every field it needs from these reports
     mode = synthetic_mode(pool_series(100.0, 120.0), [TickOutcome(q, 2.0 * q, 2.0 * q + 2.0, 2.0 * q + 0.5, 5) for q in range(60)])
     realtime._print_summary({"unbounded": mode, "bounded": mode}, aimd, wl)

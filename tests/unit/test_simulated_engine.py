@@ -25,6 +25,7 @@ from baton.engine.simulated.scheduler import Scheduler, SchedulerLimits
 from baton.engine.simulated.timing import StepBatch, StepTime
 from baton.engine.types import GenerationDelta, GenerationRequest, SamplingSpec
 from baton.engine.vllm_engine import build_vllm_engine, engine_factory_for
+from baton.paths import REPO_ROOT
 from kv_transfer.ledger import TransferLedger
 
 WAIT_S = 20.0
@@ -33,7 +34,8 @@ SIM = {"gpu": "h200_sxm", "model": "meta-llama/Meta-Llama-3.1-8B", "kv_capacity_
 
 def spec_for(role: str = "decode", handoff: bool = False, **engine: Any) -> EngineSpec:
     cfg = EngineConfig(model="m", kind="simulated", simulated=SIM, **engine)
-    return build_engine_spec(cfg, role=role, handoff=handoff, model_path="/m", on_gpu=False, cache_root="/c")  # type: ignore[arg-type]
+    # the repo's cache: the step table is built once, by the first test (or replica) that needs it
+    return build_engine_spec(cfg, role=role, handoff=handoff, model_path="/m", on_gpu=False, cache_root=str(REPO_ROOT / ".cache"))  # type: ignore[arg-type]
 
 
 def request(rid: str, prompt: tuple[int, ...], max_tokens: int, **kw: Any) -> GenerationRequest:
