@@ -258,7 +258,8 @@ class EngineRunner:
         if not self._streams.is_open(rid, cmd.stream):  # cancelled or failed before it reached the engine
             return
         try:
-            prompt, params = engine_inputs(cmd.request, cmd.kv_transfer_params)
+            build = getattr(engine, "engine_inputs", None) or engine_inputs  # a stand-in engine builds its own, without vLLM
+            prompt, params = build(cmd.request, cmd.kv_transfer_params)
             engine.add_request(rid, prompt, params)
             self._added[rid] = time.time()
         except Exception as e:  # noqa: BLE001 - the engine rejects one request; it lives on

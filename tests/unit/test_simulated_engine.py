@@ -205,3 +205,25 @@ def test_aborting_a_decoder_waiting_for_its_kv_records_a_failed_receive() -> Non
     decode.abort_request(["d"])
     assert ledger.totals().failures == 1 and not decode.scheduler.has_requests()
     decode.scheduler.check_integrity()
+
+
+def test_a_request_through_a_stand_in_engine_never_imports_vllm() -> None:
+    """A stand-in replica must not pay vLLM's import (seconds of CPU, ~0.5 GiB) on its first request."""
+    import subprocess
+    import sys
+
+    code = (
+        "import asyncio, sys\n"
+        "from tests.unit.test_simulated_engine import spec_for, request, collect\n"
+        "from baton.engine.runner import EngineRunner\n"
+        "from baton.engine.simulated.engine import build_simulated_engine\n"
+        "r = EngineRunner(spec_for(), engine_factory=build_simulated_engine)\n"
+        "d = asyncio.run(collect(r, request('x', tuple(range(100, 200)), 3)))\n"
+        "r.shutdown()\n"
+        "assert d[-1].finished, d\n"
+        "print('VLLM' if 'vllm' in sys.modules else 'NO_VLLM')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+                         env={**__import__("os").environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "NO_VLLM"

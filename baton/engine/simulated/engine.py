@@ -51,6 +51,15 @@ class _CoreClient:
     engine_core: _Core
 
 
+@dataclass(frozen=True)
+class SimParams:
+    """The part of vLLM's SamplingParams a simulated engine reads (placeholder tokens: no sampling)."""
+
+    max_tokens: int | None
+    extra_args: dict[str, Any] | None = None
+    logprobs: int | None = None
+
+
 class SimulatedEngine:
     """One simulated engine; like vLLM's, used from one thread only."""
 
@@ -63,6 +72,16 @@ class SimulatedEngine:
         self.engine_core = _CoreClient(_Core(scheduler))
         self.steps = 0
         self.busy_seconds = 0.0  # predicted GPU time of all steps so far (before time_scale)
+
+    def engine_inputs(self, req: Any, kv_transfer_params: dict[str, Any] | None) -> tuple[dict[str, Any], SimParams]:
+        """(prompt, params) for add_request, without vLLM: the runner asks its engine for these when
+        the engine offers them (importing vLLM for its SamplingParams cost a stand-in replica
+        seconds of CPU on its first request and ~0.5 GiB of RSS, for three fields)."""
+        prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
+        if req.cache_salt:
+            prompt["cache_salt"] = req.cache_salt
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+        return prompt, SimParams(max_tokens=req.sampling.max_tokens, extra_args=extra, logprobs=0 if req.sampling.logprobs else None)
 
     def add_request(self, request_id: str, prompt: dict[str, Any], params: Any) -> None:
         tokens = list(prompt["prompt_token_ids"])
