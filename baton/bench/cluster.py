@@ -30,6 +30,32 @@ class RunningApp:
     log_path: Path
 
 
+def replica_pids(deployment: str, app: str = "baton") -> list[int]:
+    """Pids of the live replica processes of a deployment (local node only)."""
+    marker = f"ray::ServeReplica:{app}:{deployment}".encode()
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(marker):
+                out.append(int(pid))
+        except OSError:
+            continue
+    return out
+
+
+def process_cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds consumed so far by these processes (their threads included)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+    return total / tick
+
+
 def replica_rss_bytes(deployment: str, app: str = "baton") -> list[int]:
     """RSS of each live replica process of a deployment (read from /proc, local node only)."""
     marker = f"ray::ServeReplica:{app}:{deployment}".encode()

@@ -10,6 +10,7 @@ from baton.engine.checkpoints.config import CheckpointConfig
 from baton.engine.config import EngineConfig
 from baton.engine.cpu_cores import CpuCores, core_slices
 from baton.engine.simulated.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, SimulatedSpec
+from baton.engine.simulated.step_table_cache import table_dir
 from kv_transfer.config import PoolRole, kv_transfer_engine_arg, kv_transfer_engine_env
 
 GIB = 1 << 30
@@ -75,7 +76,7 @@ def build_engine_spec(
     takes part in a KV handoff between pools (decided by the caller from its routing policy).
     cpu_cores / cores_per_replica: the pool's resources.cpu_cores (ignored on GPUs)."""
     if cfg.kind == "simulated":
-        return simulated_engine_spec(cfg, role=role, handoff=handoff, model_path=model_path)
+        return simulated_engine_spec(cfg, role=role, handoff=handoff, model_path=model_path, cache_root=cache_root)
     kwargs: dict[str, Any] = {
         "model": model_path,
         "tokenizer": cfg.tokenizer or model_path,
@@ -128,7 +129,7 @@ def build_engine_spec(
     return spec.pinned_to(cpu.slices[0]) if len(cpu.slices) == 1 else spec
 
 
-def simulated_engine_spec(cfg: EngineConfig, *, role: PoolRole, handoff: bool, model_path: str) -> EngineSpec:
+def simulated_engine_spec(cfg: EngineConfig, *, role: PoolRole, handoff: bool, model_path: str, cache_root: str) -> EngineSpec:
     """Pure: a simulated engine's spec. No environment: it imports neither vLLM's engine nor NIXL."""
     assert cfg.simulated is not None  # EngineConfig's validator
     sim = SimulatedSpec(
@@ -140,5 +141,6 @@ def simulated_engine_spec(cfg: EngineConfig, *, role: PoolRole, handoff: bool, m
         enable_prefix_caching=cfg.enable_prefix_caching,
         role=role,
         handoff=handoff,
+        step_table_dir=table_dir(cache_root),
     )
     return EngineSpec(engine_kwargs={}, env={}, model_path=model_path, simulated=sim)

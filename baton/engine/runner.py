@@ -49,7 +49,11 @@ logger = logging.getLogger("baton.engine")
 EngineFactory = Callable[[EngineSpec], Any]
 NO_CAPTURE = "the connector saw no capture"
 
-_IDLE_WAIT_S = 0.05
+_IDLE_WAIT_S = 0.05  # between steps of an engine that holds KV for a reader but has nothing to run
+# an engine with nothing at all: the command queue wakes the loop the moment a request arrives, so
+# this only paces the stats it publishes while idle (which do not change); at 20 wake-ups a second
+# a few dozen idle replicas on one host kept a core busy doing nothing
+_IDLE_BLOCK_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -217,10 +221,12 @@ class EngineRunner:
         steps = 0
         while True:
             busy = engine.has_unfinished_requests()
-            if not self._drain_commands(engine, block=not busy):
-                return
             # a prefill engine holding KV for a decoder has no unfinished request but must
             # keep stepping to see the reader's notification and free the blocks
+            holding = self._scheduler is not None and self._scheduler.has_requests()
+            wait = None if busy else (_IDLE_WAIT_S if holding else _IDLE_BLOCK_S)
+            if not self._drain_commands(engine, wait):
+                return
             holding = self._scheduler is not None and self._scheduler.has_requests()
             if engine.has_unfinished_requests() or holding:
                 outputs = engine.step()
@@ -228,10 +234,11 @@ class EngineRunner:
                 self._dispatch(outputs)
             self._publish_stats(steps)
 
-    def _drain_commands(self, engine: Any, block: bool) -> bool:
-        """Apply queued add/abort commands. Returns False on stop."""
+    def _drain_commands(self, engine: Any, wait_s: float | None) -> bool:
+        """Apply queued add/abort commands, first waiting up to wait_s for one (None: no wait).
+        Returns False on stop."""
         try:
-            cmd = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            cmd = self._commands.get(timeout=wait_s) if wait_s is not None else self._commands.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -251,7 +258,8 @@ class EngineRunner:
         if not self._streams.is_open(rid, cmd.stream):  # cancelled or failed before it reached the engine
             return
         try:
-            prompt, params = engine_inputs(cmd.request, cmd.kv_transfer_params)
+            build = getattr(engine, "engine_inputs", None) or engine_inputs  # a stand-in engine builds its own, without vLLM
+            prompt, params = build(cmd.request, cmd.kv_transfer_params)
             engine.add_request(rid, prompt, params)
             self._added[rid] = time.time()
         except Exception as e:  # noqa: BLE001 - the engine rejects one request; it lives on

@@ -63,6 +63,7 @@ def test_an_unknown_gpu_model_or_field_fails_by_name() -> None:
     message = error_of(kind="simulated", simulated={**SIM, "model": "acme/NoSuchModel-1B"})
     assert "acme/NoSuchModel-1B" in message and "meta-llama/Meta-Llama-3.1-8B" in message
     assert "link_gpbs" in error_of(kind="simulated", simulated={**SIM, "link_gpbs": 100})
+    assert "timer" in error_of(kind="simulated", simulated={**SIM, "timer": "roofline"})
 
 
 def test_without_aiconfigurator_the_config_fails_naming_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,6 +80,7 @@ def test_a_simulated_spec_carries_the_shared_scheduler_limits_and_no_vllm_argume
     s = spec.simulated
     assert s is not None and (s.max_num_seqs, s.max_model_len, s.role, s.handoff) == (48, 8192, "prefill", True)
     assert (s.block_size, s.max_num_batched_tokens) == (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    assert s.step_table_dir == "/c/baton/step-tables" and s.sim.timer == "table"  # the cached table unless told otherwise
 
 
 def test_kv_gib_becomes_tokens_by_the_models_kv_bytes() -> None:

@@ -9,6 +9,7 @@ the link bandwidth gives, and both write the transfer ledger.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from baton.engine.simulated.scheduler import Scheduler, SchedulerLimits
 from baton.engine.simulated.timing import StepBatch, StepTime
 from baton.engine.types import GenerationDelta, GenerationRequest, SamplingSpec
 from baton.engine.vllm_engine import build_vllm_engine, engine_factory_for
+from baton.paths import REPO_ROOT
 from kv_transfer.ledger import TransferLedger
 
 WAIT_S = 20.0
@@ -33,7 +35,8 @@ SIM = {"gpu": "h200_sxm", "model": "meta-llama/Meta-Llama-3.1-8B", "kv_capacity_
 
 def spec_for(role: str = "decode", handoff: bool = False, **engine: Any) -> EngineSpec:
     cfg = EngineConfig(model="m", kind="simulated", simulated=SIM, **engine)
-    return build_engine_spec(cfg, role=role, handoff=handoff, model_path="/m", on_gpu=False, cache_root="/c")  # type: ignore[arg-type]
+    # the repo's cache: the step table is built once, by the first test (or replica) that needs it
+    return build_engine_spec(cfg, role=role, handoff=handoff, model_path="/m", on_gpu=False, cache_root=str(REPO_ROOT / ".cache"))  # type: ignore[arg-type]
 
 
 def request(rid: str, prompt: tuple[int, ...], max_tokens: int, **kw: Any) -> GenerationRequest:
@@ -73,6 +76,12 @@ def test_the_runner_streams_placeholder_tokens_to_a_length_finish(runner: Engine
 
 
 def test_the_runner_publishes_the_simulated_pool(runner: EngineRunner) -> None:
+    # stats are published after each step's outputs are handed out: an earlier test's last
+    # output can reach it a moment before the stats of that step do
+    for _ in range(200):
+        if runner.stats.num_running == 0:
+            break
+        time.sleep(0.01)
     stats = runner.stats
     assert stats.healthy and stats.kv_capacity_tokens == 4096  # 256 blocks of 16
     assert stats.num_running == 0 and stats.kv_usage == 0.0 and stats.kv_resident > 0  # cached blocks stay resident
@@ -196,3 +205,25 @@ def test_aborting_a_decoder_waiting_for_its_kv_records_a_failed_receive() -> Non
     decode.abort_request(["d"])
     assert ledger.totals().failures == 1 and not decode.scheduler.has_requests()
     decode.scheduler.check_integrity()
+
+
+def test_a_request_through_a_stand_in_engine_never_imports_vllm() -> None:
+    """A stand-in replica must not pay vLLM's import (seconds of CPU, ~0.5 GiB) on its first request."""
+    import subprocess
+    import sys
+
+    code = (
+        "import asyncio, sys\n"
+        "from tests.unit.test_simulated_engine import spec_for, request, collect\n"
+        "from baton.engine.runner import EngineRunner\n"
+        "from baton.engine.simulated.engine import build_simulated_engine\n"
+        "r = EngineRunner(spec_for(), engine_factory=build_simulated_engine)\n"
+        "d = asyncio.run(collect(r, request('x', tuple(range(100, 200)), 3)))\n"
+        "r.shutdown()\n"
+        "assert d[-1].finished, d\n"
+        "print('VLLM' if 'vllm' in sys.modules else 'NO_VLLM')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+                         env={**__import__("os").environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "NO_VLLM"

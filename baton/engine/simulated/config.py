@@ -1,7 +1,8 @@
 """What a pool's simulated engine is (`<pool>.engine.simulated` in the YAML, with `engine.kind: simulated`).
 
-Only what the simulator adds lives here: which GPU and model AIConfigurator times, the KV pool's
-size, the link that carries P/D handoffs, and a time scale. The scheduling limits a simulated
+Only what the simulator adds lives here: which GPU and model AIConfigurator times (and whether
+through a cached step table or AIConfigurator itself), the KV pool's size, the link that carries
+P/D handoffs, and a time scale. The scheduling limits a simulated
 engine shares with vLLM (max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching,
 max_model_len) stay in EngineConfig, so a pool switches between the two kinds by `kind` alone.
 
@@ -53,6 +54,9 @@ class SimulatedEngineConfig(BaseModel):
                                        "model's per-token KV bytes (bf16, its KV heads split over tp)")
     link_gbps: float = Field(400.0, gt=0, description="bandwidth of the link a P/D handoff's KV crosses, Gbit/s")
     time_scale: float = Field(1.0, gt=0, description="the engine sleeps predicted step and transfer times × this (0.1: ten times faster)")
+    timer: Literal["table", "aiconfigurator"] = Field("table", description="table: step times interpolated from a table "
+                                                      "sampled once from AIConfigurator and cached under .cache/baton/step-tables "
+                                                      "(step_table.py); aiconfigurator: AIConfigurator in every replica")
 
     @model_validator(mode="after")
     def _known_to_aiconfigurator(self) -> SimulatedEngineConfig:
@@ -88,3 +92,4 @@ class SimulatedSpec:
     enable_prefix_caching: bool
     role: Literal["prefill", "decode"]
     handoff: bool
+    step_table_dir: str  # where the step table is cached (<cache_root>/baton/step-tables)

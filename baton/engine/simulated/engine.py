@@ -6,7 +6,8 @@ params)` (prompt: {"prompt_token_ids", "cache_salt"?}, params: vLLM SamplingPara
 `shutdown()`, and `engine_core.engine_core.scheduler` with running, waiting, kv_cache_manager
 (usage, block_pool.num_gpu_blocks, cached_block_hash_to_block), block_size and has_requests().
 
-step() is schedule → sleep the step's predicted GPU time (timing.py, × time_scale) → sample and
+step() is schedule → sleep the step's predicted GPU time (step_table.py by default, or timing.py;
+× time_scale) → sample and
 finish. A step with nothing to run waits for the next transfer or handoff release (at most
 IDLE_WAIT_S, so the runner drains new requests meanwhile).
 """
@@ -20,12 +21,15 @@ from typing import Any, Protocol
 
 from baton.engine.args import EngineSpec
 from baton.engine.simulated.blocks import BlockPool
+from baton.engine.simulated.config import SimulatedSpec
 from baton.engine.simulated.geometry import kv_geometry
 from baton.engine.simulated.handoff import HandoffAccounting, HandoffLink
 from baton.engine.simulated.kv_cache import KVCacheManager
 from baton.engine.simulated.outputs import RequestOutput, delta_output, placeholder_token
 from baton.engine.simulated.request import SimRequest
 from baton.engine.simulated.scheduler import Scheduler, SchedulerLimits
+from baton.engine.simulated.step_table import TableStepTimer
+from baton.engine.simulated.step_table_cache import load_or_build
 from baton.engine.simulated.timing import AicStepTimer, StepBatch, StepTime
 
 IDLE_WAIT_S = 0.01
@@ -47,6 +51,15 @@ class _CoreClient:
     engine_core: _Core
 
 
+@dataclass(frozen=True)
+class SimParams:
+    """The part of vLLM's SamplingParams a simulated engine reads (placeholder tokens: no sampling)."""
+
+    max_tokens: int | None
+    extra_args: dict[str, Any] | None = None
+    logprobs: int | None = None
+
+
 class SimulatedEngine:
     """One simulated engine; like vLLM's, used from one thread only."""
 
@@ -59,6 +72,16 @@ class SimulatedEngine:
         self.engine_core = _CoreClient(_Core(scheduler))
         self.steps = 0
         self.busy_seconds = 0.0  # predicted GPU time of all steps so far (before time_scale)
+
+    def engine_inputs(self, req: Any, kv_transfer_params: dict[str, Any] | None) -> tuple[dict[str, Any], SimParams]:
+        """(prompt, params) for add_request, without vLLM: the runner asks its engine for these when
+        the engine offers them (importing vLLM for its SamplingParams cost a stand-in replica
+        seconds of CPU on its first request and ~0.5 GiB of RSS, for three fields)."""
+        prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
+        if req.cache_salt:
+            prompt["cache_salt"] = req.cache_salt
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+        return prompt, SimParams(max_tokens=req.sampling.max_tokens, extra_args=extra, logprobs=0 if req.sampling.logprobs else None)
 
     def add_request(self, request_id: str, prompt: dict[str, Any], params: Any) -> None:
         tokens = list(prompt["prompt_token_ids"])
@@ -121,4 +144,17 @@ def build_simulated_engine(spec: EngineSpec) -> SimulatedEngine:
                                     s.sim.time_scale)
     limits = SchedulerLimits(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len)
     scheduler = Scheduler(limits, KVCacheManager(pool, s.max_model_len), handoff, engine_id=f"sim-{uuid.uuid4().hex[:12]}", tp=s.sim.tp)
-    return SimulatedEngine(scheduler, AicStepTimer(s.sim.gpu, s.sim.model, s.sim.tp), s.sim.time_scale)
+    return SimulatedEngine(scheduler, step_timer_for(s), s.sim.time_scale)
+
+
+def step_timer_for(s: SimulatedSpec) -> StepTimer:
+    """`timer: table` (the default): the cached step table, built by the first replica that needs it;
+    refused when the engine's limits reach past its grid. `timer: aiconfigurator`: AicStepTimer."""
+    if s.sim.timer == "aiconfigurator":
+        return AicStepTimer(s.sim.gpu, s.sim.model, s.sim.tp)
+    table = load_or_build(s.step_table_dir, s.sim.gpu, s.sim.model, s.sim.tp)
+    beyond = table.uncovered(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len)
+    if beyond:
+        raise ValueError(f"the step table of {table.key.filename} does not reach this engine's limits: {'; '.join(beyond)}; "
+                         f"set engine.simulated.timer: aiconfigurator")
+    return TableStepTimer(table)

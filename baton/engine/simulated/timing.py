@@ -62,6 +62,36 @@ class StepTime:
     kind: str  # "idle" | "decode" | "mixed"
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What a step's time is a function of, after averaging (module docstring): `k` prefill chunks of
+    `new` tokens after `prefix` cached ones (`prefix + new` on isl_grid), and `n_dec` decodes at
+    context `dec_ctx`. k == 0: decode-only; k == n_dec == 0: idle."""
+
+    k: int = 0
+    new: int = 0
+    prefix: int = 0
+    n_dec: int = 0
+    dec_ctx: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """Tokens computed this step: what the shared non-attention part (GEMMs, norms, ...) costs by."""
+        return self.k * self.new + self.n_dec
+
+
+def step_shape(batch: StepBatch) -> StepShape:
+    """Pure: the shape both timers (this one, step_table.TableStepTimer) time `batch` as."""
+    n_dec = len(batch.decode_contexts)
+    dec_ctx = max(1, round(sum(batch.decode_contexts) / n_dec)) if n_dec else 0
+    if not batch.prefills:
+        return StepShape(n_dec=n_dec, dec_ctx=dec_ctx)
+    k = len(batch.prefills)
+    new = max(1, round(sum(c.new_tokens for c in batch.prefills) / k))
+    isl = isl_grid(new + round(sum(c.context_before for c in batch.prefills) / k))
+    return StepShape(k, new, isl - new, n_dec, dec_ctx)
+
+
 class AicStepTimer:
     """Step times for one gpu + model + tp. Construct once per engine (compiling takes ~1 s)."""
 
@@ -74,14 +104,10 @@ class AicStepTimer:
     def step_time(self, batch: StepBatch) -> StepTime:
         if batch.empty:
             return StepTime(0.0, "idle")
-        n_dec = len(batch.decode_contexts)
-        dec_ctx = max(1, round(sum(batch.decode_contexts) / n_dec)) if n_dec else 0
-        if not batch.prefills:
-            return StepTime(self._decode_ms(n_dec, dec_ctx) / 1e3, "decode")
-        k = len(batch.prefills)
-        new = max(1, round(sum(c.new_tokens for c in batch.prefills) / k))
-        isl = isl_grid(new + round(sum(c.context_before for c in batch.prefills) / k))
-        return StepTime(self._mixed_ms(k, new, isl - new, n_dec, dec_ctx) / 1e3, "mixed")
+        s = step_shape(batch)
+        if not s.k:
+            return StepTime(self._decode_ms(s.n_dec, s.dec_ctx) / 1e3, "decode")
+        return StepTime(self._mixed_ms(s.k, s.new, s.prefix, s.n_dec, s.dec_ctx) / 1e3, "mixed")
 
     def _decode_ms_uncached(self, bs: int, ctx: int) -> float:
         return float(self.handle.predict_decode_latency(bs, ctx, 2))

@@ -1,0 +1,71 @@
+"""What the control-plane bench (baton/bench/control.py) runs: its sweep, and the Baton config of
+one fleet size, built from cluster_configs/local_simulated.yaml's application args."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from baton.paths import REPO_ROOT
+
+CONFIG = REPO_ROOT / "cluster_configs" / "local_simulated.yaml"
+SLOT = "control_slot"  # the custom Ray resource one decode replica takes (the cluster has one per replica)
+REPLICA_CPUS = 0.01  # Ray CPUs one replica reserves: 128 of them fit a 2-CPU head
+# The simulated engine sleeps AIConfigurator's predicted step time × time_scale
+# (baton/engine/simulated/engine.py). A 2-token reply to a short chat on Llama-3.1-8B / H200 is
+# about 11 ms of predicted GPU time (a 64-token prefill step ~6 ms, a decode step ~5 ms); × 0.01
+# it is ~0.1 ms, small next to the control plane's milliseconds, so the bench measures Baton,
+# not the stand-in GPU.
+TIME_SCALE = 0.01
+MAX_TOKENS = 2
+
+
+@dataclass(frozen=True)
+class Sweep:
+    replicas: tuple[int, ...]  # fleet sizes, smallest first (the first one measures per-replica memory)
+    concurrencies: tuple[int, ...]  # closed-loop clients per point, ascending
+    duration_s: float  # measured window per point
+    warmup_s: float  # before each window, not reported
+
+
+def sweep(quick: bool) -> Sweep:
+    if quick:
+        return Sweep(replicas=(8, 32), concurrencies=(8, 32), duration_s=20.0, warmup_s=3.0)
+    return Sweep(replicas=(8, 32, 64, 128), concurrencies=(8, 32, 128), duration_s=45.0, warmup_s=5.0)
+
+
+def app_args(replicas: int, state_dir: Path, *, max_concurrency: int, time_scale: float = TIME_SCALE) -> dict[str, Any]:
+    """local_simulated.yaml's args with `replicas` decode replicas on the colocated policy.
+
+    colocated: whole requests on the decode pool, each conversation pinned to the replica the
+    directory placed its first turn on; the prefill pool is off (0 replicas), so no turn waits
+    on one prefill replica's queue and every turn is one directory decision. Each replica
+    reserves REPLICA_CPUS and one SLOT; the ownership database lives in `state_dir` (fresh per
+    run); the ingress's admission cap sits above the sweep's largest concurrency, so the closed
+    loop is never refused by the bound itself (admission still runs and counts every request)."""
+    if replicas < 1 or max_concurrency < 1:
+        raise ValueError("replicas >= 1 and max_concurrency >= 1")
+    doc = yaml.safe_load(CONFIG.read_text())
+    args = copy.deepcopy(doc["applications"][0]["args"])
+    args["ingress"] = {**args["ingress"], "default_max_tokens": MAX_TOKENS,
+                       "max_inflight_requests": 2 * max_concurrency, "max_ongoing_requests": 4 * max_concurrency}
+    args["routing"] = {**args["routing"], "policy": "colocated", "ownership_db_path": str(state_dir / "conversations.sqlite3")}
+    args["prefill"] = {**args["prefill"], "num_replicas": 0}
+    decode = args["decode"]
+    engine = {**decode["engine"], "simulated": {**decode["engine"]["simulated"], "time_scale": time_scale}}
+    args["decode"] = {**decode, "num_replicas": replicas, "engine": engine,
+                      "resources": {"num_cpus": REPLICA_CPUS, "custom": {SLOT: 1}}}
+    return args
+
+
+def served_model(args: dict[str, Any]) -> str:
+    return str(args["ingress"]["served_model_name"])
+
+
+def start_timeout_s(replicas: int) -> float:
+    """How long `serve run` may take to bring `replicas` replicas up on this machine's 2 cores
+    (each one a fresh Ray worker process that imports the stack)."""
+    return 300.0 + 10.0 * replicas

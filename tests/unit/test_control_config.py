@@ -1,0 +1,70 @@
+"""baton/bench/control_config.py and its registration: the app args the bench hands `serve run`
+validate (deployments.config.load_app_config, the builder's own check), at every fleet size of
+both sweeps, and `baton bench control` reaches baton.bench.control.run."""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from baton.bench import commands
+from baton.bench.control_config import CONFIG, MAX_TOKENS, REPLICA_CPUS, SLOT, TIME_SCALE, app_args, served_model, start_timeout_s, sweep
+from deployments.config import ConfigError, load_app_config
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_every_size_of_the_sweep_is_a_valid_config(quick: bool, tmp_path: Path) -> None:
+    sw = sweep(quick)
+    for n in sw.replicas:
+        cfg = load_app_config(app_args(n, tmp_path, max_concurrency=max(sw.concurrencies)))
+        assert cfg.decode.num_replicas == n and cfg.routing.policy == "colocated"
+        assert cfg.prefill is not None and cfg.prefill.num_replicas == 0
+        assert cfg.decode.engine.kind == "simulated" and cfg.decode.engine.simulated is not None
+        assert cfg.decode.engine.simulated.time_scale == TIME_SCALE
+        assert cfg.decode.resources.num_cpus == REPLICA_CPUS and cfg.decode.resources.custom == {SLOT: 1.0}
+        assert n * REPLICA_CPUS <= 2  # the 2-CPU head holds them all
+        assert cfg.ingress.default_max_tokens == MAX_TOKENS and cfg.ingress.max_inflight_requests >= max(sw.concurrencies)
+        assert cfg.routing.ownership_db_path == str(tmp_path / "conversations.sqlite3")
+
+
+def test_sweeps() -> None:
+    quick, full = sweep(True), sweep(False)
+    assert quick.replicas == (8, 32) and quick.concurrencies == (8, 32) and quick.duration_s == 20
+    assert full.replicas == (8, 32, 64, 128) and full.concurrencies == (8, 32, 128) and full.duration_s == 45
+    for sw in (quick, full):
+        assert list(sw.replicas) == sorted(sw.replicas) and list(sw.concurrencies) == sorted(sw.concurrencies)
+    assert start_timeout_s(128) > start_timeout_s(8)
+
+
+def test_args_are_a_copy_of_local_simulated_yaml(tmp_path: Path) -> None:
+    before = CONFIG.read_text()
+    args = app_args(8, tmp_path, max_concurrency=8)
+    original = yaml.safe_load(before)["applications"][0]["args"]
+    assert args["decode"]["engine"]["simulated"]["gpu"] == original["decode"]["engine"]["simulated"]["gpu"]
+    assert original["decode"]["engine"]["simulated"]["time_scale"] == 1.0 and CONFIG.read_text() == before
+    assert served_model(args) == original["ingress"]["served_model_name"]
+
+
+def test_a_broken_override_fails_validation(tmp_path: Path) -> None:
+    args = app_args(8, tmp_path, max_concurrency=8)
+    args["decode"]["resources"]["typo"] = 1  # extra="forbid"
+    with pytest.raises(ConfigError, match="typo"):
+        load_app_config(args)
+    with pytest.raises(ValueError):
+        app_args(0, tmp_path, max_concurrency=8)
+
+
+def test_bench_control_is_registered() -> None:
+    assert commands.BENCHMARKS["control"] == "baton.bench.control"
+    module = importlib.import_module(commands.BENCHMARKS["control"])
+    assert callable(module.run) and module.HTTP_PORT != module.RAY_PORT
+
+
+def test_its_ports_are_no_other_benchs() -> None:
+    from baton.bench import control
+
+    others = [p for p in Path(commands.__file__).parent.glob("*.py") if p.name != "control.py"]
+    for port in (control.HTTP_PORT, control.RAY_PORT):
+        assert not [p.name for p in others if str(port) in p.read_text()]
