@@ -20,7 +20,7 @@ import httpx
 import yaml
 
 from baton.bench.checkpoint_engine import TINY_HYBRID, run_engine
-from baton.bench.cluster import LocalServeApp
+from baton.bench.cluster import LocalServeApp, settled_transfers
 from baton.paths import REPO_ROOT
 
 CONFIG = REPO_ROOT / "cluster_configs" / "local_hybrid_pd.yaml"
@@ -35,23 +35,6 @@ def app_args(state_dir: Path) -> dict[str, Any]:
     args["model_cache"] = str(REPO_ROOT / ".cache" / "models")
     args["routing"] = {**args["routing"], "ownership_db_path": str(state_dir / "conversations.sqlite3")}
     return args
-
-
-def decode_transfers(url: str) -> int:
-    snap = httpx.get(f"{url}/baton/stats", timeout=10).json()
-    return sum(int(r.get("kv_transfers_received", 0)) for r in snap["replicas"].values() if r["pool"] == "decode" and r["live"])
-
-
-def settled_transfers(url: str) -> int:
-    """The decoders' transfer count once two consecutive reports agree (they report every second)."""
-    last = -1
-    for _ in range(20):
-        time.sleep(1.5)
-        now = decode_transfers(url)
-        if now == last:
-            return now
-        last = now
-    return last
 
 
 def _complete(url: str, session: str, ids: list[int], max_tokens: int) -> tuple[str, str, float]:

@@ -58,17 +58,33 @@ def process_cpu_seconds(pids: list[int]) -> float:
 
 def replica_rss_bytes(deployment: str, app: str = "baton") -> list[int]:
     """RSS of each live replica process of a deployment (read from /proc, local node only)."""
-    marker = f"ray::ServeReplica:{app}:{deployment}".encode()
     out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in replica_pids(deployment, app):
         try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(marker):
-                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        out.append(int(line.split()[1]) * 1024)
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    out.append(int(line.split()[1]) * 1024)
         except OSError:
             continue
     return out
+
+
+def decode_transfers(url: str) -> int:
+    """KV transfers the live decode replicas' connectors counted, as they last reported them (/baton/stats)."""
+    snap = httpx.get(f"{url}/baton/stats", timeout=10).json()
+    return sum(int(r.get("kv_transfers_received", 0)) for r in snap["replicas"].values() if r["pool"] == "decode" and r["live"])
+
+
+def settled_transfers(url: str) -> int:
+    """decode_transfers once two consecutive reports agree (replicas report every second)."""
+    last = -1
+    for _ in range(20):
+        time.sleep(1.5)
+        now = decode_transfers(url)
+        if now == last:
+            return now
+        last = now
+    return last
 
 
 class LocalServeApp:

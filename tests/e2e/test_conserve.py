@@ -2,13 +2,13 @@
 replicas' connectors), later turns stay on that decoder, whatever ingress replica answers."""
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 
+from baton.bench.cluster import settled_transfers
 from tests.e2e.conftest import deploy, e2e_args, start_app, stop_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -25,24 +25,6 @@ def url() -> Any:
         yield u
     finally:
         stop_app()
-
-
-def decode_transfers(url: str) -> int:
-    """KV transfers the decode replicas' connectors counted, as they last reported them."""
-    snap = httpx.get(f"{url}/baton/stats", timeout=10).json()
-    return sum(int(r.get("kv_transfers_received", 0)) for r in snap["replicas"].values() if r["pool"] == "decode" and r["live"])
-
-
-def settled_transfers(url: str) -> int:
-    """Wait until two consecutive reports agree (replicas report every second)."""
-    last = -1
-    for _ in range(20):
-        time.sleep(1.5)
-        now = decode_transfers(url)
-        if now == last:
-            return now
-        last = now
-    return last
 
 
 def converse(url: str, sid: str, turns: int = 3) -> list[tuple[str, str, str]]:

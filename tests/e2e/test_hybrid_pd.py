@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import httpx
 import pytest
 import yaml
 
+from baton.bench.cluster import settled_transfers
 from tests.e2e.conftest import start_app, stop_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -43,23 +43,6 @@ def url() -> Iterator[str]:
         yield u
     finally:
         stop_app()
-
-
-def decode_transfers(url: str) -> int:
-    snap = httpx.get(f"{url}/baton/stats", timeout=10).json()
-    return sum(int(r.get("kv_transfers_received", 0)) for r in snap["replicas"].values() if r["pool"] == "decode" and r["live"])
-
-
-def settled_transfers(url: str) -> int:
-    """Wait until two consecutive reports agree (replicas report every second)."""
-    last = -1
-    for _ in range(20):
-        time.sleep(1.5)
-        now = decode_transfers(url)
-        if now == last:
-            return now
-        last = now
-    return last
 
 
 def test_greedy_tokens_are_the_same_with_remote_or_local_first_turn_prefill(url: str) -> None:
