@@ -122,7 +122,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
                                  cpu_cores=pool.resources.cpu_cores, cores_per_replica=pool.resources.cpu_cores_per_replica)
 
     r = cfg.routing
-    directory = ConversationDirectoryDeployment.bind(
+    directory = ConversationDirectoryDeployment.options(ray_actor_options=cfg.control_plane.actor_options(0)).bind(
         DirectorySettings(
             policy=r.policy,
             conversation_ttl_s=r.conversation_ttl_s,
@@ -141,9 +141,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     seg_bytes = 0
     if cfg.memory is not None:
         db_path = str(cfg.memory.resolved_db_path(PROJECT_ROOT))
-        store = MemoryStoreDeployment.options(
-            ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}}}
-        ).bind(cfg.memory, db_path)
+        store = MemoryStoreDeployment.options(ray_actor_options=cfg.control_plane.actor_options(0)).bind(cfg.memory, db_path)
         seg_bytes = cfg.memory.replica_cache_bytes
     decode_spec = spec("decode", cfg.decode)
     decode = EngineReplicaDeployment.options(**pool_options("decode", cfg.decode, decode_spec, cfg)).bind(
@@ -172,5 +170,5 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     return Ingress.options(
         num_replicas=cfg.ingress.num_replicas,
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
-        ray_actor_options={"num_cpus": cfg.ingress.num_cpus, "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}}},
+        ray_actor_options=cfg.control_plane.actor_options(cfg.ingress.num_cpus),
     ).bind(decode, prefill, directory, settings, store)

@@ -213,6 +213,31 @@ class IsolationConfig(_Strict):
     )
 
 
+class ControlPlaneConfig(_Strict):
+    """Where the ingress replicas, the conversation directory and the memory store run. On one node
+    it does not matter; on a multi-node cluster they should sit on a node that stays (the head):
+    the directory's and the store's SQLite files are on the disk of the node they run on, and a
+    node that dies takes its ingress replicas' in-flight requests with it."""
+
+    custom: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each of them asks for, e.g. {'node:__internal_head__': 0.001}: "
+        "Ray's own head-node resource keeps them on the head")
+
+    @model_validator(mode="after")
+    def _positive(self) -> ControlPlaneConfig:
+        bad = {k: v for k, v in self.custom.items() if not (v > 0) or not k}
+        if bad:
+            raise ValueError(f"control_plane.custom needs non-empty names with amounts > 0, not {bad}")
+        return self
+
+    def actor_options(self, num_cpus: float) -> dict[str, Any]:
+        """Ray actor options for one of these deployments (offline env for the ones that load a tokenizer or embedder)."""
+        opts: dict[str, Any] = {"num_cpus": num_cpus, "runtime_env": {"env_vars": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}}}
+        if self.custom:
+            opts["resources"] = dict(self.custom)
+        return opts
+
+
 class AppConfig(_Strict):
     name: str = "baton"
     model_cache: str = Field(".cache/models", description="folder that holds provisioned models (relative to the cwd)")
@@ -223,6 +248,8 @@ class AppConfig(_Strict):
     memory: MemoryConfig | None = Field(None, description="per-user memory facts (InferScale); none: /v1/memories is off")
     realtime: RealtimeConfig | None = Field(None, description="real-time tick sessions (Metronome); none: /v1/realtime is off")
     isolation: IsolationConfig = Field(default_factory=IsolationConfig, description="what tenants share (prefix cache)")
+    control_plane: ControlPlaneConfig = Field(
+        default_factory=ControlPlaneConfig, description="where the ingress, directory and memory store run (multi-node clusters)")
 
     @model_validator(mode="after")
     def _consistent(self) -> AppConfig:

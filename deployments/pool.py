@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve import metrics
 
@@ -35,6 +36,7 @@ class EngineReplica:
                  memory_cache_bytes: int = 0):
         self._pool = pool
         self._replica_id = _own_replica_id()
+        self._node_id = _own_node_id()
         self._directory = directory
         self._held = HeldConversations()  # conversations served here: rebuilds a restarted directory's pins
         t0 = time.monotonic()
@@ -150,7 +152,7 @@ class EngineReplica:
             extra.update(checkpoints_held=ck.checkpoints_held, checkpoint_state_bytes=ck.state_bytes,
                          checkpoint_hit_tokens=ck.hit_tokens, checkpoint_recomputed_tokens=ck.recomputed_tokens)
         report = replica_report(self._replica_id, self._pool, stats, process_ledger().totals(), extra,
-                                self._held.recent(time.monotonic()), self._realtime.token_growth())
+                                self._held.recent(time.monotonic()), self._realtime.token_growth(), self._node_id)
         if self._directory is not None and stats.healthy:
             self._directory.report.remote(report)
         return report.figures()
@@ -195,6 +197,14 @@ def _own_replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # noqa: BLE001 - outside Serve (tests), there is no replica context
         return f"pid-{os.getpid()}"
+
+
+def _own_node_id() -> str:
+    """The Ray node this replica runs on (shown per replica in /baton/stats); "" outside Ray."""
+    try:
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001 - no runtime context (tests)
+        return ""
 
 
 def _rss_bytes() -> int:

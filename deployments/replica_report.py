@@ -41,10 +41,11 @@ class HeldConversations:
 
 def replica_report(replica_id: str, pool: str, stats: EngineStats, transfers: TransferTotals,
                    extra: Mapping[str, float] | None = None,
-                   conversations: tuple[tuple[str, float], ...] = (), growth: TokenGrowth | None = None) -> ReplicaReport:
+                   conversations: tuple[tuple[str, float], ...] = (), growth: TokenGrowth | None = None,
+                   node_id: str = "") -> ReplicaReport:
     """The report of one replica; `extra`: display-only figures (checkpoint, segment counters);
     `conversations`: HeldConversations.recent() (decoders only); `growth`: its real-time sessions'
-    tokens (RealtimeSessions.token_growth)."""
+    tokens (RealtimeSessions.token_growth); `node_id`: the Ray node it runs on."""
     return ReplicaReport(
         replica_id=replica_id,
         pool=pool,
@@ -64,4 +65,5 @@ def replica_report(replica_id: str, pool: str, stats: EngineStats, transfers: Tr
         retained_tokens=growth.retained_tokens if growth else 0,
         offered_growth_tokens_per_s=growth.offered_tokens_per_s if growth else 0.0,
         served_growth_tokens_per_s=growth.served_tokens_per_s if growth else 0.0,
+        node_id=node_id,
     )

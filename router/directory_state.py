@@ -307,7 +307,7 @@ class DirectoryState:
         convs = [p for p in self._pins.values()]
         handoffs = sum(p.handoffs for p in convs)
         replicas = {
-            rid: {**r.report.figures(), "pool": r.report.pool, "live": self._is_live(r, now), "pinned": pinned.get(rid, 0),
+            rid: {**r.report.figures(), "pool": r.report.pool, "node_id": r.report.node_id, "live": self._is_live(r, now), "pinned": pinned.get(rid, 0),
                   "age_s": round(now - r.at, 3), "cliff_eta_s": self.cliff_eta(rid, now)}
             for rid, r in self._replicas.items()
         }

@@ -22,7 +22,7 @@ from router.cliff import DecoderTokens
 
 POOLS = ("prefill", "decode")
 MAX_REPORTED_CONVERSATIONS = 4096  # the most recent conversations one report lists
-_NOT_FIGURES = frozenset({"replica_id", "pool", "extra", "conversations"})
+_NOT_FIGURES = frozenset({"replica_id", "pool", "extra", "conversations", "node_id"})
 _COUNTS = ("kv_capacity_tokens", "num_running", "num_waiting", "pending_prefill_tokens", "in_flight",
            "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfers_offered", "retained_tokens")
 _RATES = ("offered_growth_tokens_per_s", "served_growth_tokens_per_s")
@@ -58,6 +58,7 @@ class ReplicaReport:
     served_growth_tokens_per_s: float = 0.0  # how fast the engine really got through their ticks
     extra: tuple[tuple[str, float], ...] = ()
     conversations: tuple[tuple[str, float], ...] = ()
+    node_id: str = ""  # the Ray node the replica runs on ("" = unknown); shown, not a figure
 
     def __post_init__(self) -> None:
         if self.pool not in POOLS:
@@ -81,6 +82,6 @@ class ReplicaReport:
                              self.served_growth_tokens_per_s)
 
     def figures(self) -> dict[str, Any]:
-        """The flat figures: every field but replica_id, pool, extra and conversations, then the extra figures."""
+        """The flat figures: every field but replica_id, pool, node_id, extra and conversations, then the extra figures."""
         flat = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_FIGURES}
         return {**flat, **dict(self.extra)}

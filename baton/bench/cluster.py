@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import yaml
 
+from baton.bench.ray_nodes import WorkerNode, start_worker
 from baton.bench.ray_session import stop_ray_session
 from baton.paths import REPO_ROOT
 
@@ -94,11 +95,13 @@ class LocalServeApp:
     def __init__(self, args: dict[str, Any], *, resources: dict[str, float], num_cpus: int = 2, http_port: int = 28000, ray_port: int = 26390,
                  log_dir: Path | None = None, start_timeout_s: float = 600,
                  env: dict[str, str] | None = None, metrics_export_port: int | None = None,
-                 grpc_options: dict[str, Any] | None = None):
+                 grpc_options: dict[str, Any] | None = None, workers: tuple[WorkerNode, ...] = ()):
         """env: extra variables for `ray start` and `serve run` (e.g. the API keys named by
         ingress.api_keys_env); metrics_export_port: Ray's Prometheus export port (None: Ray's default);
-        grpc_options: the Serve config's `grpc_options` (None: no gRPC proxy)."""
+        grpc_options: the Serve config's `grpc_options` (None: no gRPC proxy); workers: worker nodes
+        joined to the head before `serve run` (a multi-node cluster on this machine, ray_nodes.py)."""
         self._grpc = grpc_options
+        self._workers = workers
         self._args, self._resources, self._num_cpus = args, resources, num_cpus
         self._http_port, self._ray_port, self._timeout = http_port, ray_port, start_timeout_s
         # absolute: `serve run` runs in the checkout, not in the caller's working directory
@@ -121,6 +124,11 @@ class LocalServeApp:
     @property
     def env(self) -> dict[str, str]:
         return dict(self._env)
+
+    def start_worker(self, node: WorkerNode) -> None:
+        """Join a worker node to this head (also a node that failed and comes back)."""
+        assert self._ray_temp is not None, "the head is not started"
+        start_worker(node, "ray", f"127.0.0.1:{self._ray_port}", self._ray_temp, self._env)
 
     def _launch(self, http_host: str) -> subprocess.Popen:
         """Write the Serve config (its HTTP proxies bind http_host), `ray start` a fresh head and
@@ -147,6 +155,12 @@ class LocalServeApp:
             stop_ray_session(self._ray_temp)
             tail = (started.stderr or started.stdout or "").strip().splitlines()[-5:]
             raise RuntimeError(f"`ray start` on port {self._ray_port} failed (another Ray on that port?): " + " | ".join(tail))
+        for node in self._workers:
+            try:
+                self.start_worker(node)
+            except RuntimeError:
+                stop_ray_session(self._ray_temp)
+                raise
         log = (self._log_dir / "serve.log").open("w")
         self._launched_at = time.monotonic()
         self._serve = subprocess.Popen(["serve", "run", str(cfg_path)], env=self._env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

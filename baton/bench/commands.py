@@ -19,6 +19,7 @@ BENCHMARKS = {
     "api": "baton.bench.api",  # tool calling round trip, gRPC vs HTTP on one trace (ABBA), gRPC realtime
     "scale": "baton.bench.scale",  # fleet projection: the router's policies on simulated 8-512 GPU fleets (no engine)
     "control": "baton.bench.control",  # the control plane at 8-128 stand-in replicas: routing decisions/s, directory p99, memory
+    "multinode": "baton.bench.multinode",  # a two-node Ray cluster: cross-node NIXL handoffs, a worker node killed under live turns
 }
 
 

@@ -70,11 +70,18 @@ def test_every_cluster_config_validates(path: Path) -> None:
 
 
 def ray_start_resources(text: str) -> tuple[float, dict[str, float]]:
-    """The CPUs and custom resources the header comment tells users to give `ray start`."""
-    cpus = re.search(r"ray start .*--num-cpus (\d+)", text)
-    custom = re.search(r"ray start .*--resources '(\{.*?\})'", text)
-    assert cpus and custom, "the header names no `ray start --num-cpus N --resources '{...}'`"
-    return float(cpus.group(1)), {k: float(v) for k, v in json.loads(custom.group(1)).items()}
+    """The CPUs and custom resources the header comment tells users to give `ray start`, summed
+    over its `ray start` lines (a head and its worker nodes)."""
+    cpus, offered = 0.0, {}
+    for line in (ln for ln in text.splitlines() if ln.startswith("#") and "ray start" in ln):
+        n = re.search(r"--num-cpus (\d+)", line)
+        custom = re.search(r"--resources '(\{.*?\})'", line)
+        assert n and custom, f"`ray start` without --num-cpus N --resources '{{...}}': {line}"
+        cpus += float(n.group(1))
+        for k, v in json.loads(custom.group(1)).items():
+            offered[k] = offered.get(k, 0.0) + float(v)
+    assert offered, "the header names no `ray start --num-cpus N --resources '{...}'`"
+    return cpus, offered
 
 
 def replicas_at_most(pool: PoolConfig | None) -> int:
@@ -83,7 +90,7 @@ def replicas_at_most(pool: PoolConfig | None) -> int:
     return pool.autoscaling.max_replicas if pool.autoscaling is not None else pool.num_replicas
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "local_hybrid_pd.yaml"])
+@pytest.mark.parametrize("name", ["local.yaml", "local_hybrid_pd.yaml", "local_multinode.yaml"])
 def test_local_config_fits_the_resources_its_comment_gives_ray(name: str) -> None:
     """A local config's header tells users which custom resources to give `ray start`; every
     replica of every pool must fit in them (and run on CPU)."""
@@ -385,3 +392,23 @@ def test_checkpoints_with_a_handoff_are_refused_when_a_connector_lacks_hma(monke
     args = {**_hybrid(), "routing": {"policy": "conversation"}, "prefill": {"num_replicas": 1, "engine": {"model": "m"}}}
     message = config_error(args)
     assert "decode.engine.checkpoints" in message and "SupportsHMA" in message and "CountingNixlConnector" in message
+
+
+# ---- control plane placement (multi-node) ------------------------------------------------------
+
+
+def test_the_control_plane_asks_for_its_custom_resources() -> None:
+    cfg = load_app_config(minimal_args(control_plane={"custom": {"node:__internal_head__": 0.001}}))
+    opts = cfg.control_plane.actor_options(0.5)
+    assert opts["resources"] == {"node:__internal_head__": 0.001} and opts["num_cpus"] == 0.5
+    assert opts["runtime_env"]["env_vars"]["HF_HUB_OFFLINE"] == "1"
+    assert "resources" not in load_app_config(minimal_args()).control_plane.actor_options(0)  # default: anywhere
+
+
+@pytest.mark.parametrize("custom", [{"head": 0}, {"head": -1.0}, {"": 1.0}])
+def test_control_plane_resources_must_be_named_and_positive(custom: dict[str, float]) -> None:
+    assert "control_plane.custom" in config_error(minimal_args(control_plane={"custom": custom}))
+
+
+def test_a_misspelled_control_plane_field_is_named() -> None:
+    assert "control_plane.resources" in config_error(minimal_args(control_plane={"resources": {"head": 1}}))

@@ -68,12 +68,13 @@ def test_invalid_reports_are_refused_by_name(kwargs: dict, match: str) -> None:
 
 def test_the_directory_stores_the_report_and_shows_its_figures() -> None:
     state = DirectoryState(DirectorySettings(policy="colocated", stale_after_s=10.0))
-    report = replica_report("d0", "decode", STATS, TRANSFERS, {"checkpoints_held": 3, "live": 0})
+    report = replica_report("d0", "decode", STATS, TRANSFERS, {"checkpoints_held": 3, "live": 0}, node_id="n1")
     state.report(report, 1.0)
     assert state.live("decode", 2.0) == [report]
     shown = state.snapshot(2.0)["replicas"]["d0"]
-    assert shown == {**report.figures(), "pool": "decode", "live": True, "pinned": 0, "age_s": 1.0,  # directory keys win
+    assert shown == {**report.figures(), "pool": "decode", "node_id": "n1", "live": True, "pinned": 0, "age_s": 1.0,  # directory keys win
                      "cliff_eta_s": None}  # no real-time session grows there
+    assert "node_id" not in report.figures()  # where a replica runs is shown, never a load figure
     plan = state.route("s", None, 100, 2.0)
     assert plan.decode_replica == "d0"
     state.check_integrity()
