@@ -9,8 +9,12 @@ WebSocket close becomes the RPC's status.
                                              RESOURCE_EXHAUSTED; user_mismatch: PERMISSION_DENIED)
     1009 frame too large                     RESOURCE_EXHAUSTED (as 413)
     1011 engine failed                       UNAVAILABLE
-    1013 session cap (AIMD)                  RESOURCE_EXHAUSTED + retry-after / RetryInfo from retry_after_s
+    1013 session cap (AIMD), or shed         RESOURCE_EXHAUSTED + retry-after / RetryInfo from retry_after_s
+         (shed_overload, overload: shed)     (baton-error names the frame's code: session_limit / shed_overload)
     4408 idle timeout                        DEADLINE_EXCEEDED
+
+A shed session (deployments/realtime_sessions.py) ends through the same path: its tick loop sends
+the `shed_overload` error frame and closes 1013, so nothing here is specific to shedding.
 
 A failing session's `error` frame is its last message, sent after the status is set (Serve carries
 a replica's status on its messages). RealtimeFrontend sends that frame and closes without
@@ -31,7 +35,7 @@ import grpc
 
 from deployments.grpc_gen import baton_pb2 as pb
 from deployments.grpc_status import DETAILS_KEY, ERROR_KEY, RETRY_AFTER, GrpcStatus, StatusContext, retry_details
-from deployments.realtime_api import CLOSE_BAD_DATA, CLOSE_IDLE, CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_TRY_LATER
+from deployments.realtime_frames import CLOSE_BAD_DATA, CLOSE_IDLE, CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_TRY_LATER
 
 logger = logging.getLogger("baton.realtime")
 

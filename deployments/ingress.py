@@ -114,9 +114,12 @@ class Ingress:
     async def _public_stats(self) -> dict[str, Any]:
         """GET /baton/stats: the directory's snapshot, and the streams this ingress replica resumed
         (by outcome; each ingress replica counts its own, deployments/resume.py), and this
-        replica's chat admission (mode, current limit, counts; deployments/inflight.py)."""
-        return {**await self._stats(), "ingress": {"stream_resumes": dict(self._metrics.resume_totals),
-                                                   "admission": self._admission.snapshot()}}
+        replica's chat admission (mode, current limit, counts; deployments/inflight.py), and its
+        real-time sessions (live, AIMD cap, overload mode, sessions shed; deployments/realtime_api.py)."""
+        ingress: dict[str, Any] = {"stream_resumes": dict(self._metrics.resume_totals), "admission": self._admission.snapshot()}
+        if self._realtime is not None:
+            ingress["realtime"] = self._realtime.snapshot()
+        return {**await self._stats(), "ingress": ingress}
 
     async def _end_conversation(self, session_id: str, user: str | None) -> bool:
         """DELETE /v1/conversations/{id}: the directory checks the owner, drops the pin and the ownership."""

@@ -179,6 +179,7 @@ class RealtimeMetrics(Protocol):
     def sessions(self, live: int, cap: int) -> None: ...
     def refused(self) -> None: ...
     def cliff(self, action: str) -> None: ...
+    def shed(self, sessions: int) -> None: ...
 
 
 class ServeRealtimeMetrics:
@@ -198,6 +199,9 @@ class ServeRealtimeMetrics:
         self._cliff = metrics.Counter(
             "baton_realtime_cliff_sessions", "sessions opened while their decoder's KV cliff was within realtime.cliff.horizon_s, "
             "by action (warn: admitted; refuse: refused)", tag_keys=("action",))
+        self._shed = metrics.Counter(
+            "baton_realtime_sessions_shed", "live sessions closed (1013, shed_overload) when the AIMD cap fell below them "
+            "(realtime.admission.overload: shed)")
 
     def tick(self, seconds: float, late: bool) -> None:
         self._tick.observe(seconds)
@@ -213,3 +217,7 @@ class ServeRealtimeMetrics:
 
     def cliff(self, action: str) -> None:
         self._cliff.inc(tags={"action": action})
+
+    def shed(self, sessions: int) -> None:
+        if sessions:
+            self._shed.inc(sessions)

@@ -17,6 +17,11 @@ Errors are {"type": "error", "code", "message", "retry_after_s"?} frames; a fram
 JSON text (or holds a lone UTF-16 surrogate) closes with 1007, a malformed one with 1008, one over
 `realtime.max_frame_bytes` with 1009, a refused session (AIMD cap reached) with
 1013 "try again later" after an error frame carrying retry_after_s, a dead engine with 1011.
+With `realtime.admission.overload: shed`, a decrease of the AIMD cap below the live sessions sheds
+the newest of them (router/shedding.py): each gets, at its next tick boundary (after the reply in
+flight, never mid-reply), an error frame {"code": "shed_overload", "cap", "live_sessions",
+"retry_after_s"} and close 1013; its admission slot is free from the shed on
+(deployments/realtime_sessions.py). With `drain` (the default) live sessions tick on until they end.
 A session whose decoder's KV pool is forecast full within `realtime.cliff.horizon_s`
 (router/cliff.py) is refused the same way (`cliff_ahead`, 1013) with `realtime.cliff.action:
 refuse`; with `warn` (the default) it is admitted and session.started carries a `warning`.
@@ -32,7 +37,8 @@ sessions that name no user are bounded only by the AIMD cap.
 
 A session is pinned to one decode replica for its life (chosen by the conversation directory,
 like a conversation's first turn). Inputs are served in order: a tick that runs late delays the
-next, and the lateness is what the client sees — the server does not drop or reorder ticks.
+next, and the lateness is what the client sees — the server does not drop or reorder ticks (a
+shed session's inputs after its last reply are not read: it is closed instead).
 The AIMD controller (router/admission.py) observes every tick's latency at this ingress and
 caps this ingress's live sessions.
 """
@@ -55,21 +61,23 @@ from deployments.backend import translate_error
 from deployments.errors import APIError
 from deployments.memory_api import USER_HEADER, resolve_user
 from deployments.metrics import RealtimeMetrics
-from deployments.request_body import InvalidJSON, decode_json
-from router.admission import AIMDController
+from deployments.realtime_frames import (
+    CLOSE_IDLE,
+    CLOSE_INTERNAL,
+    CLOSE_NORMAL,
+    CLOSE_POLICY,
+    CLOSE_TRY_LATER,
+    FrameError,
+    int_field,
+    parse_frame,
+    queued_s,
+)
+from deployments.realtime_sessions import LiveEntry, SessionRegistry, ShedNotice
+from router.admission import AIMDController, Decision
 from router.cliff import cliff_admission
+from router.shedding import choose_shed
 
 logger = logging.getLogger("baton.realtime")
-
-CLOSE_NORMAL, CLOSE_BAD_DATA, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_INTERNAL, CLOSE_TRY_LATER = 1000, 1007, 1008, 1009, 1011, 1013
-CLOSE_IDLE = 4408  # the client sent nothing for idle_timeout_s
-
-
-class FrameError(ValueError):
-    def __init__(self, code: str, message: str, close: int = CLOSE_POLICY):
-        super().__init__(message)
-        self.code, self.close = code, close
-
 
 @dataclass(frozen=True)
 class SessionTiming:
@@ -91,34 +99,6 @@ class Socket(Protocol):
     async def close(self, code: int = 1000, reason: str | None = None) -> None: ...
 
 
-def parse_frame(msg: dict[str, Any], max_bytes: int | None = None) -> dict[str, Any]:
-    """A WebSocket receive() message → a JSON object, or FrameError (1009: over max_bytes; 1007:
-    not JSON text). The client hanging up is WebSocketDisconnect (receive() returns it as a
-    message), not a bad frame."""
-    if msg.get("type") == "websocket.disconnect":
-        raise WebSocketDisconnect(msg.get("code", 1000), msg.get("reason"))
-    text = msg.get("text")
-    size = len(text.encode("utf-8", "surrogatepass")) if text is not None else len(msg.get("bytes") or b"")
-    if max_bytes is not None and size > max_bytes:
-        raise FrameError("frame_too_large", f"a frame is at most {max_bytes} bytes (this one: {size})", CLOSE_TOO_BIG)
-    if text is None:
-        raise FrameError("invalid_frame", "frames must be JSON text, not binary", CLOSE_BAD_DATA)
-    try:
-        data = decode_json(text)
-    except InvalidJSON as e:
-        raise FrameError("invalid_frame", f"frame is not valid JSON: {e}", CLOSE_BAD_DATA) from None
-    if not isinstance(data, dict) or not isinstance(data.get("type"), str):
-        raise FrameError("invalid_frame", "a frame is a JSON object with a string `type`")
-    return data
-
-
-def _int(data: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
-    v = data.get(key, default)
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise FrameError("invalid_value", f"`{key}` must be an integer in [{lo}, {hi}]")
-    return v
-
-
 class RealtimeFrontend:
     def __init__(self, cfg: Any, decode: Any, directory: Any, renderer: Any, metrics: RealtimeMetrics | None = None):
         self._cfg = cfg
@@ -127,19 +107,29 @@ class RealtimeFrontend:
         self._renderer = renderer
         self._metrics = metrics
         self._ctl = AIMDController(cfg.admission, now=time.monotonic())
-        self._live = 0
+        self._sessions = SessionRegistry()  # who holds an admission slot
         self._per_user: dict[str, int] = {}  # live sessions of each named user
 
     @property
     def controller(self) -> AIMDController:
         return self._ctl
 
+    @property
+    def live(self) -> int:
+        """Sessions holding an admission slot at this ingress."""
+        return self._sessions.live
+
+    def snapshot(self) -> dict[str, Any]:
+        """For /baton/stats: live sessions, the cap, the overload mode and the sessions shed so far."""
+        return {"live_sessions": self.live, "cap": self._ctl.cap, "overload": self._cfg.admission.overload,
+                "sessions_shed_total": self._sessions.shed_total}
+
     async def serve(self, ws: Socket, bound_user: str | None = None) -> None:
         """bound_user: the user the client's API key is bound to (None: no key, or an operator key)."""
         await ws.accept()
         try:
             start = await self._receive(ws)
-            if start["type"] != "session.start":
+            if start is None or start["type"] != "session.start":  # (None only with a stop event: not here)
                 raise FrameError("invalid_frame", "the first frame must be session.start")
             user = _session_user(bound_user, start.get("user"), ws.headers.get(USER_HEADER))
             open_msg, timing = self._open_message(start)
@@ -153,13 +143,13 @@ class RealtimeFrontend:
             await _fail(ws, "too_many_sessions", f"this user already holds {held} live real-time sessions here, the most one user may "
                         "(realtime.max_sessions_per_user)", CLOSE_POLICY)
             return
-        admission = self._ctl.can_admit(self._live)
+        admission = self._ctl.can_admit(self.live)
         if not admission.admitted:
             if self._metrics:
                 self._metrics.refused()
             await _fail(ws, "session_limit", admission.describe(), CLOSE_TRY_LATER, retry_after_s=admission.retry_after_s)
             return
-        self._live += 1
+        entry = self._sessions.admit(open_msg.session_id, time.monotonic())
         if user is not None:
             self._per_user[user] = held + 1
         self._report()
@@ -180,7 +170,7 @@ class RealtimeFrontend:
                 logger.warning("real-time session %s admitted near the KV cliff: %s", open_msg.session_id, verdict.describe())
                 started["warning"] = {"code": "cliff_ahead", "message": verdict.describe()}
             await ws.send_json(started)
-            await self._ticks(ws, open_msg.session_id, replica, timing.deadline_ms / 1000)
+            await self._ticks(ws, entry, replica, timing.deadline_ms / 1000)
         except WebSocketDisconnect:
             pass
         except FrameError as e:
@@ -190,7 +180,7 @@ class RealtimeFrontend:
             logger.warning("real-time session %s ended: %s", open_msg.session_id, type(err).__name__)
             await _fail(ws, "engine_unavailable", f"the engine serving this session failed: {err}", CLOSE_INTERNAL)
         finally:
-            self._live -= 1
+            self._sessions.release(open_msg.session_id)  # frees the slot unless a shed already did
             if user is not None:
                 self._per_user[user] -= 1
                 if not self._per_user[user]:
@@ -199,14 +189,24 @@ class RealtimeFrontend:
             if replica is not None:
                 self._decode.realtime_close.remote(RealtimeClose(open_msg.session_id, replica))
 
-    async def _receive(self, ws: Socket) -> dict[str, Any]:
-        """The client's next frame; FrameError (4408) when it sends nothing for idle_timeout_s."""
-        timeout_s = self._cfg.idle_timeout_s
+    async def _receive(self, ws: Socket, stop: asyncio.Event | None = None) -> dict[str, Any] | None:
+        """The client's next frame; None if `stop` is set first (the session was shed: the frame
+        the client may be sending is not read); FrameError (4408) after idle_timeout_s of silence."""
+        if stop is not None and stop.is_set():
+            return None
+        waits = [recv := asyncio.ensure_future(ws.receive())] + ([asyncio.ensure_future(stop.wait())] if stop is not None else [])
         try:
-            msg = await asyncio.wait_for(ws.receive(), timeout_s)
-        except TimeoutError:
-            raise FrameError("idle_timeout", f"no frame from the client for {timeout_s:g} s; session closed", CLOSE_IDLE) from None
-        return parse_frame(msg, self._cfg.max_frame_bytes)
+            await asyncio.wait(waits, timeout=self._cfg.idle_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for f in waits:
+                f.cancel()
+        if stop is not None and stop.is_set():
+            if recv.done() and not recv.cancelled():
+                recv.exception()  # a frame (or hang-up) that raced the shed: dropped, marked retrieved
+            return None
+        if not recv.done() or recv.cancelled():
+            raise FrameError("idle_timeout", f"no frame from the client for {self._cfg.idle_timeout_s:g} s; session closed", CLOSE_IDLE)
+        return parse_frame(recv.result(), self._cfg.max_frame_bytes)
 
     def _open_message(self, start: dict[str, Any]) -> tuple[RealtimeOpen, SessionTiming]:
         cfg = self._cfg
@@ -216,9 +216,9 @@ class RealtimeFrontend:
         instructions = start.get("instructions", "You are a real-time assistant. Reply briefly.")
         if not isinstance(instructions, str) or len(instructions) > cfg.max_input_chars:
             raise FrameError("invalid_value", f"`instructions` must be a string of at most {cfg.max_input_chars} characters")
-        max_tokens = _int(start, "max_tokens", cfg.max_tokens_per_tick, 1, cfg.max_tokens_per_tick)
-        tick_ms = _int(start, "tick_ms", cfg.tick_ms, 10, 60_000)
-        deadline_ms = _int(start, "deadline_ms", tick_ms, 10, 600_000)
+        max_tokens = int_field(start, "max_tokens", cfg.max_tokens_per_tick, 1, cfg.max_tokens_per_tick)
+        tick_ms = int_field(start, "tick_ms", cfg.tick_ms, 10, 60_000)
+        deadline_ms = int_field(start, "deadline_ms", tick_ms, 10, 600_000)
         preamble = tuple(self._renderer.text_tokens(
             self._renderer.chat_text([{"role": "system", "content": instructions}], add_generation_prompt=False)))
         msg = RealtimeOpen(session_id=f"rt-{uuid.uuid4().hex}", mode=mode, preamble_ids=preamble,
@@ -240,20 +240,25 @@ class RealtimeFrontend:
             logger.warning("directory could not place a real-time session (%s)", type(e).__name__)
             return None, None
 
-    async def _ticks(self, ws: Socket, session_id: str, replica: str, deadline_s: float) -> None:
+    async def _ticks(self, ws: Socket, entry: LiveEntry, replica: str, deadline_s: float) -> None:
+        session_id = entry.session_id
         while True:
-            data = await self._receive(ws)
+            data = await self._receive(ws, entry.stop)
+            if data is None:  # shed: at this tick boundary, the reply before it sent
+                assert entry.notice is not None
+                await _close_with(ws, entry.notice.frame(), CLOSE_TRY_LATER)
+                return
             read_at = time.time()
             if data["type"] == "session.end":
                 await ws.close(CLOSE_NORMAL)
                 return
             if data["type"] != "input":
                 raise FrameError("invalid_frame", f"unexpected frame type {data['type']!r} (input or session.end)")
-            seq = _int(data, "seq", -1, 0, 1 << 31)
+            seq = int_field(data, "seq", -1, 0, 1 << 31)
             text = data.get("text")
             if not isinstance(text, str) or len(text) > self._cfg.max_input_chars:
                 raise FrameError("invalid_value", f"`text` must be a string of at most {self._cfg.max_input_chars} characters")
-            queued = _queued_s(data, read_at, self._cfg.max_clock_skew_s, self._cfg.idle_timeout_s)
+            queued = queued_s(data, read_at, self._cfg.max_clock_skew_s, self._cfg.idle_timeout_s)
             t0 = time.monotonic()
             # each input is one user turn of the chat template; the reply is the assistant's turn
             turn = self._renderer.text_tokens(self._renderer.turn_text("-", text))
@@ -272,7 +277,9 @@ class RealtimeFrontend:
                 self._ctl.observe_miss(now)
             else:
                 self._ctl.observe(latency, now)
-            self._ctl.update(now, self._live)
+            decision = self._ctl.update(now, self.live)
+            if decision.shed:
+                self._shed(decision)
             if self._metrics:
                 self._metrics.tick(latency, latency > deadline_s)
             self._report()
@@ -287,25 +294,18 @@ class RealtimeFrontend:
                 out["queued_ms"] = round(queued * 1000, 1)
             await ws.send_json(out)
 
+    def _shed(self, decision: Decision) -> None:
+        """overload shed: the decrease left live sessions over the cap; close the newest of them."""
+        plan = choose_shed(self._sessions.holding(), decision.cap_after)
+        shed = self._sessions.shed(plan, ShedNotice(decision.cap_after, plan.live, self._cfg.admission.retry_after_s))
+        logger.warning("AIMD cap %d -> %d at window p99 %.3f s: shedding %d of %d live real-time sessions (newest first)",
+                       decision.cap_before, decision.cap_after, decision.p99_s or math.nan, len(shed), plan.live)
+        if self._metrics:
+            self._metrics.shed(len(shed))
+
     def _report(self) -> None:
         if self._metrics:
-            self._metrics.sessions(self._live, self._ctl.cap)
-
-
-def _queued_s(data: dict[str, Any], read_at: float, skew_s: float, max_s: float) -> float | None:
-    """Seconds between the client's `sent_at` (Unix seconds) and the server reading the frame at
-    `read_at` (time.time()); None without sent_at; FrameError for a value the clocks cannot explain."""
-    v = data.get("sent_at")
-    if v is None:
-        return None
-    try:
-        sent = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
-    except OverflowError:
-        sent = math.nan
-    if not math.isfinite(sent) or not -skew_s <= read_at - sent <= max_s:
-        raise FrameError("invalid_value", f"`sent_at` must be the client's send time in Unix seconds, at most {skew_s:g} s ahead of "
-                         f"the server's clock and {max_s:g} s behind it")
-    return max(0.0, read_at - sent)
+            self._metrics.sessions(self.live, self._ctl.cap)
 
 
 def _session_user(bound: str | None, named: Any, header: str | None) -> str | None:
@@ -323,9 +323,14 @@ async def _fail(ws: Socket, code: str, message: str, close: int, retry_after_s: 
     body: dict[str, Any] = {"type": "error", "code": code, "message": message}
     if retry_after_s is not None:
         body["retry_after_s"] = retry_after_s
+    await _close_with(ws, body, close)
+
+
+async def _close_with(ws: Socket, error_frame: dict[str, Any], close: int) -> None:
+    """Send the error frame, then close (nothing suspends between them on the gRPC FrameSocket)."""
     try:
-        await ws.send_json(body)
-        await ws.close(close, reason=message[:120])
+        await ws.send_json(error_frame)
+        await ws.close(close, reason=str(error_frame.get("message", ""))[:120])
     except Exception:  # noqa: BLE001 - the client is gone
         pass
 

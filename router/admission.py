@@ -9,6 +9,7 @@ The ingress asks `can_admit(live_sessions)` when a session opens; "no room" is a
     samples < min_samples                 -> hold  ("too_few_samples")
     p99 > target and live > cap           -> hold  ("draining": the last decrease has not bitten)
     p99 > target                          -> cap = max(min_cap, floor(cap * factor))  "decrease"
+                                             (overload shed: and shed = max(0, live - cap))
     p99 <= target and cap was binding     -> cap = min(max_cap, cap + step)           "increase"
     p99 <= target and cap not binding     -> hold  ("not_binding")
 
@@ -16,16 +17,26 @@ Binding: at some point in the period the live-session count (seen through `can_a
 `note_live` or `update(live_sessions=)`) reached cap - 1 or more. Without this an idle system
 would raise its cap without bound and then admit a burst it cannot serve.
 
-Draining: the cap only gates new sessions; live ones end on their own. While more sessions are
-live than the cap allows, a further decrease would shed nothing and only slow the recovery, so
-an overshoot holds (and restarts the window) until departures bring live sessions under the cap.
+Overload (`overload`), what a decrease does to the sessions already live above the new cap:
+  drain (default)  nothing: the cap only gates new sessions and live ones end on their own. While
+                   more sessions are live than the cap allows, a further decrease would shed
+                   nothing and only slow the recovery, so an overshoot holds ("draining", and
+                   restarts the window) until departures bring live sessions under the cap. The
+                   overshoot then lasts up to a session lifetime.
+  shed             the decision also says how many live sessions to close: Decision.shed =
+                   max(0, live - cap_after), on a decrease only. The caller picks them with
+                   router/shedding.choose_shed (newest first) and closes them (the ingress: error
+                   frame `shed_overload` + close 1013 at their next tick boundary); the controller
+                   counts them gone at once (live == cap after the shed), so the draining hold does
+                   not follow a shed and the next window sees the load of the new cap.
 
 Window: latencies observed at t with t >= now - window_s and t >= the last reset. The window is
 reset (emptied) whenever the cap changes or a drain-hold is taken, so each decision looks only
 at latencies observed under the current cap and load.
 
 Invariants (`check_integrity`): min_cap <= cap <= max_cap; window samples sorted by time and
-none before the last reset; latencies >= 0 (+inf for misses).
+none before the last reset; latencies >= 0 (+inf for misses); under drain nothing is ever shed
+(shed_total == 0). A Decision checks its own: shed >= 0, and shed > 0 only on a decrease.
 
 Convergence on a latency curve rising through the target at N* (curve(n) <= target iff n <= N*)
 with offered load above N*: the cap climbs by `additive_step` per period to floor(N*) + 1, the
@@ -60,7 +71,11 @@ class AdmissionConfig(BaseModel):
     control_period_s: float = Field(2.0, gt=0, description="update() acts at most once per this many seconds.")
     window_s: float = Field(10.0, gt=0, description="Latencies older than this are dropped from the p99 window.")
     min_samples: int = Field(20, ge=1, description="Tick latencies needed in the window before the controller acts.")
-    retry_after_s: float = Field(2.0, ge=0, description="Retry hint given to refused clients.")
+    retry_after_s: float = Field(2.0, ge=0, description="Retry hint given to refused (and shed) clients.")
+    overload: Literal["drain", "shed"] = Field(
+        "drain", description="What a decrease does to the live sessions above the new cap. drain: nothing, they tick on "
+        "until they end (the controller holds, 'draining', while live > cap); shed: the newest of them are closed at "
+        "their next tick boundary (error frame shed_overload, close 1013 with retry_after_s), so the cut bites at once.")
 
     @model_validator(mode="after")
     def _bounds(self) -> AdmissionConfig:
@@ -107,6 +122,11 @@ class Decision:
     p99_s: float | None
     samples: int
     binding: bool
+    shed: int = 0  # live sessions to close (overload: shed, on a decrease): live - cap_after
+
+    def __post_init__(self) -> None:
+        if self.shed < 0 or (self.shed and self.action != "decrease"):
+            raise AssertionError(f"a {self.action} decision cannot shed {self.shed} sessions")
 
 
 def p99(values: list[float]) -> float:
@@ -126,6 +146,7 @@ class AIMDController:
         self._period_start = now
         self._binding = False
         self._live: int | None = None  # last live-session count reported
+        self.shed_total = 0  # sessions the decisions said to shed (overload: shed)
 
     # ---- inputs ---------------------------------------------------------------------------------
 
@@ -175,15 +196,25 @@ class AIMDController:
         lats = self.window(now)
         value = p99(lats) if lats else None
         action, reason = self._decide(value, len(lats), binding)
+        shed = 0
         if action == "decrease":
             self.cap = max(self.config.min_cap, math.floor(self.cap * self.config.multiplicative_factor))
+            shed = self._shed()
         elif action == "increase":
             self.cap = min(self.config.max_cap, self.cap + self.config.additive_step)
         if action != "hold" or reason == "draining":
             self._reset_window(now)
         self._period_start = now
         self._binding = self._live is not None and self._live >= self.cap - 1
-        return Decision(now, action, reason, cap_before, self.cap, value, len(lats), binding)
+        return Decision(now, action, reason, cap_before, self.cap, value, len(lats), binding, shed)
+
+    def _shed(self) -> int:
+        """Under overload "shed": the live sessions over the new cap, counted gone (live == cap)."""
+        if self.config.overload != "shed" or self._live is None or self._live <= self.cap:
+            return 0
+        shed, self._live = self._live - self.cap, self.cap
+        self.shed_total += shed
+        return shed
 
     def _decide(self, value: float | None, samples: int, binding: bool) -> tuple[Action, Reason]:
         cfg = self.config
@@ -221,3 +252,5 @@ class AIMDController:
             raise AssertionError(f"sample at {times[0]} predates the window start {self._window_start}")
         if any(lat < 0 for _, lat in self._samples):
             raise AssertionError("negative latency in window")
+        if cfg.overload == "drain" and self.shed_total:
+            raise AssertionError(f"overload drain shed {self.shed_total} sessions")

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.admission import AIMDController, Decision
+from router.shedding import LiveSession, choose_shed
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class SimStep:
     cap: int  # after this step's update
     latency_s: float | None  # every tick's latency this step (None: no live sessions)
     decision: Decision
+    shed: int = 0  # sessions shed this step (overload: shed, session_s mode)
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,16 @@ class SimulationTrace:
     def latencies(self, since: float = -math.inf) -> list[float]:
         """One entry per tick (weighted by live sessions), for a whole-run p99."""
         return [s.latency_s for s in self.steps if s.t >= since and s.latency_s is not None for _ in range(s.live)]
+
+    def shed_total(self) -> int:
+        return sum(s.shed for s in self.steps)
+
+
+@dataclass(frozen=True)
+class _Session:
+    session_id: str
+    admitted_at: float
+    ends_at: float
 
 
 def simulate(
@@ -48,18 +60,21 @@ def simulate(
       1. update(t, live) with the live count of the previous step;
       2. sessions: with session_s None the cap applies at once (live = min(offered, cap), excess
          sessions are shed); otherwise admitted sessions stay session_s seconds and arrivals
-         fill up to `offered` through can_admit (so a lowered cap bites only as sessions end);
+         fill up to `offered` through can_admit. Under overload "drain" a lowered cap then bites
+         only as sessions end; under "shed" the decision's shed count of sessions is closed at
+         once, chosen by router/shedding.choose_shed (newest first), before the arrivals;
       3. every live session ticks once, all with latency latency_curve(live) observed at t
          (+inf from the curve is a miss). So the window p99 is curve(live).
     """
     offered_at = offered_sessions if callable(offered_sessions) else (lambda _t, n=offered_sessions: n)
-    ends: list[float] = []  # end times of live sessions (session_s mode)
-    live = 0
+    sessions: list[_Session] = []  # live sessions (session_s mode)
+    live, admitted = 0, 0
     out: list[SimStep] = []
     for i in range(steps):
         t = start + i * dt
         decision = controller.update(t, live_sessions=live)
         offered = offered_at(t)
+        shed = 0
         if session_s is None:
             live = min(offered, controller.cap)
             if offered > live:
@@ -67,10 +82,15 @@ def simulate(
             else:
                 controller.note_live(live)
         else:
-            ends = [e for e in ends if e > t]
-            while len(ends) < offered and controller.can_admit(len(ends)).admitted:
-                ends.append(t + session_s)
-            live = len(ends)
+            if decision.shed:
+                plan = choose_shed([LiveSession(s.session_id, s.admitted_at) for s in sessions], decision.cap_after)
+                gone = set(plan.shed)
+                sessions, shed = [s for s in sessions if s.session_id not in gone], plan.count
+            sessions = [s for s in sessions if s.ends_at > t]
+            while len(sessions) < offered and controller.can_admit(len(sessions)).admitted:
+                sessions.append(_Session(f"s{admitted:06d}", t, t + session_s))
+                admitted += 1
+            live = len(sessions)
             controller.note_live(live)
         latency = latency_curve(live) if live else None
         for _ in range(live):
@@ -78,7 +98,7 @@ def simulate(
                 controller.observe_miss(t)
             elif latency is not None:
                 controller.observe(latency, t)
-        out.append(SimStep(t, offered, live, controller.cap, latency, decision))
+        out.append(SimStep(t, offered, live, controller.cap, latency, decision, shed))
     return SimulationTrace(tuple(out))
 
 

@@ -41,10 +41,18 @@ Definitions (reported as measured, nothing simulated):
   latency is observed (a missing tick as a miss) and `update(now, live)` runs every SAMPLE_S; the
   decisions are logged (`caps`) and counted (RESULT aimd_decreases = decisions that decreased the
   cap). a = p99 of the admitted sessions' ticks in the second half / target (a missing tick is +inf).
+  The controller runs with `overload: shed`: a decrease below the live sessions sheds the newest
+  (router/shedding.choose_shed) as the ingress does — each is told at its next tick boundary (its
+  ticks in flight are answered and counted; it sends none after) with the ingress's own error frame
+  (deployments/realtime_sessions.ShedNotice) and close 1013, which the client reads as shed
+  (`session_ending`), then retries after retry_after_s like a refused one. A shed session counts
+  as shed, not as collapsed (the collapse count reads the other sessions); the log has each
+  decision's `shed`, the JSON `aimd.shed_sessions`, the RESULT line `aimd_shed` (last).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -65,7 +73,10 @@ from baton.bench.collapse import (
     summarize,
 )
 from baton.paths import REPO_ROOT
+from deployments.realtime_frames import CLOSE_TRY_LATER
+from deployments.realtime_sessions import SessionRegistry, ShedNotice
 from router.cliff import DecoderTokens, forecast_cliff
+from router.shedding import SHED_CODE, choose_shed
 
 ROOT = REPO_ROOT
 LOCOMO = ROOT.parent / "shared" / "data" / "locomo"
@@ -176,7 +187,8 @@ class _Phase:
         self.runner, self.mode, self.wl, self.preamble, self.controller = runner, mode, wl, preamble, controller
         self.sessions = RealtimeSessions(runner)
         self.t0 = time.monotonic()
-        self.live = 0
+        self.registry = SessionRegistry()  # admission slots, as the ingress keeps them
+        self.endings: dict[str, str] = {}  # session -> how its client saw it end (session_ending)
         self.ledgers: list[SessionLedger] = []
         self.ticks: list[TickRecord] = []
         self.pool: list[dict[str, Any]] = []
@@ -185,6 +197,15 @@ class _Phase:
 
     def now(self) -> float:
         return time.monotonic() - self.t0
+
+    @property
+    def live(self) -> int:
+        return self.registry.live
+
+    def shed(self, cap: int, retry_after_s: float) -> int:
+        """Shed the newest sessions above `cap` (they stop at their next tick boundary); how many."""
+        plan = choose_shed(self.registry.holding(), cap)
+        return len(self.registry.shed(plan, ShedNotice(cap, plan.live, retry_after_s)))
 
     async def session(self, sid: str, start_at: float, chunks: Sequence[tuple[int, ...]], stop_at: float = math.inf) -> SessionLedger:
         """Open, send one chunk every P from start_at (not after stop_at), wait for the replies, close."""
@@ -195,7 +216,7 @@ class _Phase:
             await asyncio.sleep(start_at - self.now())
         self.sessions.open(RealtimeOpen(sid, self.mode, self.preamble, wl.sink_tokens, wl.window_tokens, wl.max_tokens,  # type: ignore[arg-type]
                                         tick_s=wl.period_s))
-        self.live += 1
+        entry = self.registry.admit(sid, self.now())
         ledger = SessionLedger(sid)
         self.ledgers.append(ledger)
         tasks: list[asyncio.Task[None]] = []
@@ -206,7 +227,10 @@ class _Phase:
                 if at > stop_at:
                     break
                 if at > self.now():
-                    await asyncio.sleep(at - self.now())
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(entry.stop.wait(), at - self.now())
+                if entry.notice is not None:  # shed: no tick after this boundary (those in flight are answered)
+                    break
                 tasks.append(asyncio.create_task(self._tick(sid, ledger, seq, at, ids)))
                 last = at
             if tasks:
@@ -216,7 +240,10 @@ class _Phase:
                 await asyncio.gather(*pending, return_exceptions=True)
         finally:
             self.sessions.close(sid)
-            self.live -= 1
+            # the ingress's close: its shed error frame and 1013 once shed (even after the last tick), else 1000
+            shed = entry.notice
+            self.endings[sid] = session_ending(shed.frame(), CLOSE_TRY_LATER) if shed is not None else session_ending(None, 1000)
+            self.registry.release(sid)  # frees the slot unless the shed did
             if self.first_close is None:
                 self.first_close = self.now()
         ledger.check_integrity()
@@ -310,6 +337,31 @@ def latency_by_live(ticks: Sequence[TickRecord]) -> list[dict[str, Any]]:
     return out
 
 
+def session_ending(last_frame: dict[str, Any] | None, close_code: int) -> str:
+    """How a client reads its session's end from the last frame and the close code: "ended" (1000),
+    "shed" (1013 after an error frame `shed_overload`), "refused" (another 1013: at the cap, the
+    cliff) or "failed" (any other close)."""
+    code = last_frame.get("code") if last_frame is not None and last_frame.get("type") == "error" else None
+    if close_code == 1000:
+        return "ended"
+    if close_code == CLOSE_TRY_LATER:
+        return "shed" if code == SHED_CODE else "refused"
+    return "failed"
+
+
+def run_result(modes: dict[str, Any], aimd: dict[str, Any]) -> dict[str, Any]:
+    """The figures of the RESULT line, in its order (aimd_shed last: added after the others)."""
+    return {"bounded_collapsed": modes["bounded"]["collapsed"], "unbounded_collapsed": modes["unbounded"]["collapsed"],
+            "cliff_prediction_error": modes["unbounded"]["cliff"]["error"], "aimd_p99_over_target": aimd.get("p99_over_target"),
+            "aimd_decreases": aimd.get("decreases"), "aimd_shed": aimd.get("shed_sessions")}
+
+
+def result_line(result: dict[str, Any]) -> str:
+    """The RESULT line: key=value in the dict's order (None: nan; floats to 3 places)."""
+    fmt = lambda v: "nan" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+    return "RESULT " + " ".join(f"{k}={fmt(v)}" for k, v in result.items())
+
+
 def sustainable(curve: Sequence[dict[str, Any]], target_s: float) -> int:
     """The most live sessions seen in the highest bucket whose p99 (and every smaller bucket's) is
     within target, misses as +inf."""
@@ -400,9 +452,10 @@ async def _aimd(runner: Any, wl: Workload, preamble: tuple[int, ...], chunks: li
     from router.admission import AdmissionConfig, AIMDController
 
     wl = replace(wl, period_s=wl.aimd_period_s, deadline_s=wl.aimd_period_s)
-    # window and min_samples sized so that even a cap of 1 (one tick per P) can be evaluated
+    # window and min_samples sized so that even a cap of 1 (one tick per P) can be evaluated; a cut sheds the newest live sessions
     cfg = AdmissionConfig(target_p99_ms=wl.target_p99_ms, initial_cap=wl.aimd_low, max_cap=2 * wl.aimd_high,
-                          control_period_s=wl.period_s, window_s=6 * wl.period_s, min_samples=5, retry_after_s=wl.period_s)
+                          control_period_s=wl.period_s, window_s=6 * wl.period_s, min_samples=5, retry_after_s=wl.period_s,
+                          overload="shed")
     ctl = AIMDController(cfg, now=0.0)
     phase = _Phase(runner, "bounded", wl, preamble, controller=ctl)
     schedule = step_schedule(wl.aimd_low, wl.aimd_high, wl.aimd_s)
@@ -431,14 +484,19 @@ async def _aimd(runner: Any, wl: Workload, preamble: tuple[int, ...], chunks: li
                 continue
             src = chunks[(c + k * schedule.peak()) % len(chunks)]
             off = (k * n_ticks) % max(1, len(src) - n_ticks)
-            await phase.session(f"aimd-{c}-{k}", phase.now(), src[off: off + n_ticks], stop_at=wl.aimd_s)
+            sid = f"aimd-{c}-{k}"
+            await phase.session(sid, phase.now(), src[off: off + n_ticks], stop_at=wl.aimd_s)
             k += 1
+            if phase.endings[sid] == "shed":  # told to try again later, like a refusal
+                await asyncio.sleep(cfg.retry_after_s)
 
     async def control() -> None:
         while not done.is_set():
-            d = ctl.update(phase.now(), phase.live)
-            caps.append({"t": phase.now(), "cap": ctl.cap, "live": phase.live, "action": d.action, "reason": d.reason,
-                         "window_p99_s": _finite(d.p99_s), "loadavg_1m": os.getloadavg()[0]})
+            live = phase.live
+            d = ctl.update(phase.now(), live)
+            shed = phase.shed(d.cap_after, cfg.retry_after_s) if d.shed else 0
+            caps.append({"t": phase.now(), "cap": ctl.cap, "live": live, "action": d.action, "reason": d.reason,
+                         "window_p99_s": _finite(d.p99_s), "shed": shed, "loadavg_1m": os.getloadavg()[0]})
             try:
                 await asyncio.wait_for(done.wait(), SAMPLE_S)
             except TimeoutError:
@@ -452,7 +510,8 @@ async def _aimd(runner: Any, wl: Workload, preamble: tuple[int, ...], chunks: li
     steady = [t for t in phase.ticks if t.sent_at >= steady_from]
     p99 = _p99([t.latency_s if t.latency_s is not None else math.inf for t in steady])
     steady_caps = [c["cap"] for c in caps if c["t"] >= steady_from]
-    s = summarize(phase.ledgers)
+    shed_ids = {sid for sid, how in phase.endings.items() if how == "shed"}
+    s = summarize(led for led in phase.ledgers if led.session_id not in shed_ids)  # a shed session is shed, not collapsed
     cpu_s = time.process_time() - phase.cpu0
     loads = [c["loadavg_1m"] for c in caps]
     return {"config": cfg.model_dump(), "cpu": {"cores_used": cpu_s / max(1e-9, phase.now()),
@@ -468,6 +527,7 @@ async def _aimd(runner: Any, wl: Workload, preamble: tuple[int, ...], chunks: li
             "steady_cap_range": [min(steady_caps, default=0), max(steady_caps, default=0)],
             "steady_live_mean": sum(c["live"] for c in caps if c["t"] >= steady_from) / max(1, len(steady_caps)),
             "p99_over_target": (p99 / cfg.target_p99_s) if p99 is not None else None,
+            "shed_sessions": len(shed_ids), "shed_decisions": sum(c["shed"] > 0 for c in caps),
             "collapsed": s.collapsed, "sessions": s.sessions, "caps": caps,
             "latency_by_live": latency_by_live(phase.ticks), "wall_s": phase.now()}
 
@@ -506,10 +566,7 @@ async def _main(quick: bool, out_dir: Path) -> dict[str, Any]:
         finally:
             runner.shutdown()
 
-    e = modes["unbounded"]["cliff"]["error"]
-    a = aimd.get("p99_over_target")
-    result = {"bounded_collapsed": modes["bounded"]["collapsed"], "unbounded_collapsed": modes["unbounded"]["collapsed"],
-              "cliff_prediction_error": e, "aimd_p99_over_target": a, "aimd_decreases": aimd.get("decreases")}
+    result = run_result(modes, aimd)
     report = {"quick": quick, "workload": asdict(wl), "modes": modes, "aimd": aimd, "result": result,
               "wall_s": time.perf_counter() - t_start}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -517,8 +574,7 @@ async def _main(quick: bool, out_dir: Path) -> dict[str, Any]:
     _plot(modes, aimd, wl, out_dir)
     _print_summary(modes, aimd, wl)
     print(f"[realtime] wrote {out_dir / 'realtime.json'} and 3 PNGs in {report['wall_s']:.0f}s")
-    fmt = lambda v: "nan" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
-    print("RESULT " + " ".join(f"{k}={fmt(v)}" for k, v in result.items()))
+    print(result_line(result))
     return report
 
 
@@ -582,7 +638,8 @@ def _print_summary(modes: dict[str, Any], aimd: dict[str, Any], wl: Workload) ->
               f"{aimd['admitted_sessions']} sessions admitted, {aimd['refusals']} refusals; steady cap {aimd['steady_cap_mean']:.1f} "
               f"(range {aimd['steady_cap_range']}), live {aimd['steady_live_mean']:.1f}; steady p99 {_ms(aimd['steady_p99_s'])} ms "
               f"over {aimd['steady_ticks']} ticks (misses {100 * aimd['steady_miss_share']:.1f}%), a = {_num(aimd['p99_over_target'])}; "
-              f"{aimd['collapsed']}/{aimd['sessions']} sessions collapsed; {aimd['cpu']['cores_used']:.2f} cores used at load "
+              f"{aimd['shed_sessions']} sessions shed in {aimd['shed_decisions']} cuts; "
+              f"{aimd['collapsed']}/{aimd['sessions']} other sessions collapsed; {aimd['cpu']['cores_used']:.2f} cores used at load "
               f"average {aimd['cpu']['loadavg_1m_mean']:.1f}")
 
 
@@ -643,7 +700,8 @@ def _plot(modes: dict[str, Any], aimd: dict[str, Any], wl: Workload, out_dir: Pa
         ax.set_ylabel("sessions")
         ax.step([st["start_s"] for st in aimd["schedule"]] + [wl.aimd_s], [st["sessions"] for st in aimd["schedule"]]
                 + [aimd["schedule"][-1]["sessions"]], where="post", color="grey", ls="--", label="offered")
-        ax.set_title(f"AIMD, {aimd['increases']} increases / {aimd['decreases']} decreases: a = {_num(aimd['p99_over_target'])}")
+        ax.set_title(f"AIMD, {aimd['increases']} increases / {aimd['decreases']} decreases, {aimd['shed_sessions']} shed: "
+                     f"a = {_num(aimd['p99_over_target'])}")
         ax.legend(loc="upper left", fontsize=7)
         fig.tight_layout()
         fig.savefig(out_dir / "realtime_aimd.png", dpi=120)

@@ -1,6 +1,7 @@
 """AIMD admission control (router/admission.py): convergence on a simulated latency curve
-(baton/bench/admission_sim.py), refusal above the cap, the floor, and the cases where it must
-hold. No engine; milliseconds."""
+(baton/bench/admission_sim.py), refusal above the cap, the floor, the cases where it must hold,
+and overload drain vs shed (a load step with long sessions: shed holds the p99 that drain loses for
+a session lifetime). No engine; milliseconds."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from baton.bench.admission_sim import simulate
+from baton.bench.admission_sim import simulate, step_schedule
 from router.admission import AdmissionConfig, AIMDController, p99
 
 CFG = AdmissionConfig(target_p99_ms=605, initial_cap=8, min_cap=1, max_cap=1024, additive_step=1,
@@ -227,3 +228,90 @@ def test_max_cap_is_respected() -> None:
     feed(c, 0.1, 30, now=1.0)
     d = c.update(2.0)
     assert (d.action, d.reason, c.cap) == ("hold", "at_limit", 10)
+
+
+# ---- overload: drain (default) vs shed -----------------------------------------------------------------------
+
+
+SHED = CFG.model_copy(update={"overload": "shed"})
+
+
+def test_overload_is_drain_by_default_and_only_drain_or_shed() -> None:
+    assert AdmissionConfig().overload == "drain"
+    assert AdmissionConfig(overload="shed").overload == "shed"
+    with pytest.raises(ValidationError, match="overload"):
+        AdmissionConfig(overload="drop")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="overlaod"):
+        AdmissionConfig(overlaod="shed")  # type: ignore[call-arg]
+
+
+def test_under_shed_a_decrease_says_how_many_live_sessions_to_close() -> None:
+    c = AIMDController(SHED)
+    feed(c, 0.9, 30, now=1.0)
+    d = c.update(2.0, live_sessions=8)
+    assert (d.action, d.cap_before, d.cap_after, d.shed) == ("decrease", 8, 5, 3)
+    assert c.shed_total == 3
+    # counted gone at once: the next overshoot decreases again (no "draining" hold) and sheds the new excess
+    feed(c, 0.9, 30, now=3.0)
+    d = c.update(4.0)
+    assert (d.action, d.reason, d.cap_after, d.shed) == ("decrease", "overshoot", 3, 2)
+    # an increase or a hold never sheds; nor a decrease with live within the new cap
+    feed(c, 0.1, 30, now=5.0)
+    assert c.update(6.0, live_sessions=3).shed == 0
+    feed(c, 0.9, 30, now=7.0)
+    d = c.update(8.0, live_sessions=1)
+    assert d.action == "decrease" and d.shed == 0
+    c.check_integrity()
+
+
+def test_under_drain_a_decrease_sheds_nothing_and_holds_while_live_exceeds_the_cap() -> None:
+    c = AIMDController(CFG)
+    feed(c, 0.9, 30, now=1.0)
+    d = c.update(2.0, live_sessions=8)
+    assert (d.action, d.cap_after, d.shed) == ("decrease", 5, 0)
+    feed(c, 0.9, 30, now=3.0)
+    d = c.update(4.0, live_sessions=8)  # the 8 are still live: exactly today's hold
+    assert (d.action, d.reason, d.cap_after, d.shed) == ("hold", "draining", 5, 0)
+    assert c.shed_total == 0
+    c.check_integrity()
+
+
+def test_a_decision_only_sheds_on_a_decrease() -> None:
+    from router.admission import Decision
+
+    with pytest.raises(AssertionError):
+        Decision(1.0, "hold", "draining", 5, 5, 0.9, 30, True, shed=2)
+    with pytest.raises(AssertionError):
+        Decision(1.0, "decrease", "overshoot", 8, 5, 0.9, 30, True, shed=-1)
+
+
+def test_after_a_load_step_shed_holds_the_target_where_drain_overshoots_for_a_session_lifetime() -> None:
+    """Sessions of 60 s, the cap at 80 (above N* = 40.5) while the load is low, then a step to 200
+    offered at 180 s: 80 sessions are admitted at once. The first overshoot cuts 80 -> 56 in both;
+    drain then holds while 80 sessions tick on for their lifetime, shed closes the 24 newest and
+    keeps cutting until the load is under target, then saws around N* as without long sessions."""
+    schedule = step_schedule(10, 200, 600.0)  # 10 -> 200 at 180 s -> 10 at 420 s
+    traces = {}
+    for mode in ("drain", "shed"):
+        c = AIMDController(CFG.model_copy(update={"initial_cap": 80, "overload": mode}))
+        traces[mode] = simulate(c, linear, schedule.offered, steps=1200, dt=0.5, session_s=60.0)
+        c.check_integrity()
+    drain, shed = traces["drain"], traces["shed"]
+    first = {m: next(s.decision for s in tr.steps if s.decision.action == "decrease") for m, tr in traces.items()}
+    assert (first["drain"].at, first["drain"].cap_after, first["drain"].shed) == (182.0, 56, 0)
+    assert (first["shed"].at, first["shed"].cap_after, first["shed"].shed) == (182.0, 56, 24)
+    assert drain.shed_total() == 0 and shed.shed_total() > 24
+    assert not [s for s in shed.steps if s.decision.reason == "draining"]
+    assert all(s.live <= s.cap for s in shed.steps)  # shed: never more live than the cap after a step
+    assert any(s.live > s.cap for s in drain.steps)
+
+    def steady(tr, since: float = 200.0, until: float = 420.0) -> list[float]:  # 20 s after the step, to its end
+        return [s.latency_s for s in tr.steps if since <= s.t < until and s.latency_s is not None for _ in range(s.live)]
+
+    target = CFG.target_p99_s
+    a_drain, a_shed = p99(steady(drain)) / target, p99(steady(shed)) / target
+    assert a_shed < a_drain
+    assert a_shed == pytest.approx(linear(41) / target)  # only the one probing period per cycle overshoots
+    assert a_drain > 1.2  # 56+ live sessions for most of a minute
+    over = {m: sum(x > target for x in steady(tr)) / len(steady(tr)) for m, tr in traces.items()}
+    assert over["shed"] < 0.15 < over["drain"]

@@ -21,7 +21,8 @@ from deployments.grpc_gen import baton_pb2 as pb
 from deployments.grpc_realtime import Close, close_status
 from deployments.grpc_status import retry_info_seconds
 from deployments.metrics import RecordingMetrics
-from deployments.realtime_api import CLOSE_BAD_DATA, CLOSE_IDLE, CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_TOO_BIG, CLOSE_TRY_LATER, RealtimeFrontend
+from deployments.realtime_api import RealtimeFrontend
+from deployments.realtime_frames import CLOSE_BAD_DATA, CLOSE_IDLE, CLOSE_INTERNAL, CLOSE_NORMAL, CLOSE_TOO_BIG, CLOSE_TRY_LATER
 from router.admission import AdmissionConfig
 from tests.unit.fakes import FakeBackend, FakeTokenizer
 from tests.unit.grpc_fixtures import stub_for
@@ -94,7 +95,7 @@ def test_a_session_over_grpc_is_the_websocket_session() -> None:
     assert started["type"] == "session.started" and started["sink_tokens"] == 4 and started["session_id"] == decode.opens[0].session_id
     assert [(o["type"], o["seq"], o["text"]) for o in outs] == [("output", i, f"reply {i}") for i in range(3)]
     assert code == grpc.StatusCode.OK
-    assert rt._live == 0 and [c.session_id for c in decode.closes] == [o.session_id for o in decode.opens]
+    assert rt.live == 0 and [c.session_id for c in decode.closes] == [o.session_id for o in decode.opens]
     assert all(c.target_replica == REPLICA for c in decode.closes)
 
 
@@ -110,7 +111,7 @@ def test_a_client_that_ends_its_stream_ends_the_session() -> None:
         return out, await s.status()
 
     out, (code, _, _) = drive(g, script)
-    assert out["text"] == "reply 0" and code == grpc.StatusCode.OK and rt._live == 0 and len(decode.closes) == 1
+    assert out["text"] == "reply 0" and code == grpc.StatusCode.OK and rt.live == 0 and len(decode.closes) == 1
 
 
 def test_bad_frames_end_with_an_error_frame_and_invalid_argument() -> None:
@@ -123,7 +124,7 @@ def test_bad_frames_end_with_an_error_frame_and_invalid_argument() -> None:
     frame, (code, details, meta) = drive(g, script)
     assert frame["type"] == "error" and frame["code"] == "invalid_frame"
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details == frame["message"] and json.loads(meta["baton-error"])["close"] == CLOSE_BAD_DATA
-    assert rt._live == 0
+    assert rt.live == 0
 
 
 def test_the_session_cap_is_resource_exhausted_with_retry_after() -> None:
@@ -142,7 +143,7 @@ def test_the_session_cap_is_resource_exhausted_with_retry_after() -> None:
     (frame, (code, _, meta)), (first_code, _, _) = asyncio.run(main())
     assert frame["code"] == "session_limit" and frame["retry_after_s"] == 3.5
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and meta["retry-after"] == "4" and retry_info_seconds(list(meta.items())) == 4
-    assert first_code == grpc.StatusCode.OK and rt._live == 0
+    assert first_code == grpc.StatusCode.OK and rt.live == 0
 
 
 def test_keys_from_metadata_decide_the_sessions_user() -> None:
@@ -164,7 +165,7 @@ def test_keys_from_metadata_decide_the_sessions_user() -> None:
         return started, await s.status()
 
     started, (code, _, _) = drive(g, ok, [("authorization", "Bearer anakey")])
-    assert started["type"] == "session.started" and code == grpc.StatusCode.OK and rt._live == 0
+    assert started["type"] == "session.started" and code == grpc.StatusCode.OK and rt.live == 0
 
 
 def test_close_codes_map_to_statuses() -> None:
@@ -192,4 +193,4 @@ def test_sent_at_works_over_grpc_and_a_bad_one_is_invalid_argument() -> None:
     out, err, (code, _, _) = drive(g, script)
     assert out["type"] == "output" and out["queued_ms"] >= 250
     assert err["code"] == "invalid_value" and code == grpc.StatusCode.INVALID_ARGUMENT
-    assert rt._live == 0 and len(decode.ticks) == 1
+    assert rt.live == 0 and len(decode.ticks) == 1

@@ -110,6 +110,7 @@ class RecordingRealtimeMetrics:
         self.live: list[tuple[int, int]] = []
         self.refusals = 0
         self.cliff_actions: list[str] = []
+        self.shed_sessions = 0
 
     def tick(self, seconds: float, late: bool) -> None:
         self.ticks.append((seconds, late))
@@ -122,6 +123,9 @@ class RecordingRealtimeMetrics:
 
     def cliff(self, action: str) -> None:
         self.cliff_actions.append(action)
+
+    def shed(self, sessions: int) -> None:
+        self.shed_sessions += sessions
 
 
 def make(decode: FakeDecode | None = None, *, keys: dict[str, str | None] | None = None, directory: Any = None,
@@ -162,7 +166,7 @@ def started(ws: Any, start: dict[str, Any] = START) -> dict[str, Any]:
 
 
 def assert_all_released(rt: RealtimeFrontend, decode: FakeDecode) -> None:
-    assert rt._live == 0
+    assert rt.live == 0
     assert len(decode.closes) == len(decode.opens)
     assert all(c.target_replica == REPLICA for c in decode.closes)
     assert [c.session_id for c in decode.closes] == [o.session_id for o in decode.opens]
@@ -178,7 +182,7 @@ def test_session_start_then_outputs_in_order_then_end() -> None:
         assert frame["mode"] == "bounded" and frame["sink_tokens"] == 4 and frame["window_tokens"] == 32
         assert frame["tick_ms"] == 100 and frame["deadline_ms"] == 150
         assert frame["session_id"] == decode.opens[0].session_id
-        assert rt._live == 1
+        assert rt.live == 1
         for seq in range(3):
             ws.send_json({"type": "input", "seq": seq, "text": f"word{seq} more"})
         outs = [ws.receive_json() for _ in range(3)]
@@ -253,7 +257,7 @@ def test_a_session_idle_for_idle_timeout_is_closed_4408_and_released() -> None:
         started(ws)
         ws.send_json({"type": "input", "seq": 0, "text": "hi"})
         assert ws.receive_json()["type"] == "output"
-        assert rt._live == 1
+        assert rt.live == 1
         frame, code = error_then_close(ws)  # then the client sends nothing
     assert frame["code"] == "idle_timeout" and "0.05 s" in frame["message"]
     assert code == 4408
@@ -279,7 +283,7 @@ def test_a_connection_that_never_starts_a_session_is_closed_4408() -> None:
     with c.websocket_connect("/v1/realtime") as ws:
         frame, code = error_then_close(ws)
     assert frame["code"] == "idle_timeout" and code == 4408
-    assert decode.opens == [] and rt._live == 0
+    assert decode.opens == [] and rt.live == 0
 
 
 # ---- bad frames ---------------------------------------------------------------------------------------
@@ -292,7 +296,7 @@ def test_a_first_frame_that_is_not_json_text_closes_1007(send: Callable[[Any], N
         send(ws)
         frame, code = error_then_close(ws)
     assert frame["code"] == "invalid_frame" and code == 1007
-    assert decode.opens == [] and rt._live == 0
+    assert decode.opens == [] and rt.live == 0
 
 
 @pytest.mark.parametrize("send", [lambda ws: ws.send_text("[1, 2"), lambda ws: ws.send_bytes(b"\x00\x01")])
@@ -330,7 +334,7 @@ def test_a_bad_session_start_is_refused_with_1008(first: Any, code: str) -> None
         frame, close = error_then_close(ws)
     assert frame["code"] == code and frame["message"]
     assert close == 1008
-    assert decode.opens == [] and rt._live == 0
+    assert decode.opens == [] and rt.live == 0
 
 
 @pytest.mark.parametrize(
@@ -368,7 +372,7 @@ def test_sessions_over_the_cap_are_refused_with_1013_and_a_retry_hint() -> None:
             frame, code = error_then_close(second)
         assert frame["code"] == "session_limit" and frame["retry_after_s"] == 3.5
         assert code == 1013
-        assert rt._live == 1 and len(decode.opens) == 1 and metrics.refusals == 1
+        assert rt.live == 1 and len(decode.opens) == 1 and metrics.refusals == 1
         first.send_json({"type": "input", "seq": 0, "text": "still here"})
         assert first.receive_json()["type"] == "output"  # the admitted session is unaffected
         first.send_json({"type": "session.end"})
@@ -439,7 +443,7 @@ def test_a_failed_open_closes_1011_and_frees_the_slot() -> None:
         ws.send_json(START)
         frame, code = error_then_close(ws)
     assert frame["code"] == "engine_unavailable" and code == 1011
-    assert rt._live == 0 and decode.closes == []  # nothing was opened, nothing to close
+    assert rt.live == 0 and decode.closes == []  # nothing was opened, nothing to close
     assert metrics.live[-1][0] == 0
 
 
@@ -517,7 +521,7 @@ def test_a_session_is_refused_when_its_decoder_is_about_to_hit_the_cliff() -> No
         ws.send_json(START)
         frame, code = error_then_close(ws)
     assert frame["code"] == "cliff_ahead" and frame["retry_after_s"] == 7.0 and "5.0 s" in frame["message"]
-    assert code == 1013 and decode.opens == [] and rt._live == 0
+    assert code == 1013 and decode.opens == [] and rt.live == 0
     assert metrics.cliff_actions == ["refuse"]
 
 
@@ -555,7 +559,7 @@ def test_with_api_keys_a_websocket_needs_the_bearer_key() -> None:
     with pytest.raises(WebSocketDisconnect) as e, c.websocket_connect("/v1/realtime", headers={"Authorization": "Bearer wrong"}) as ws:
         ws.receive_json()
     assert e.value.code == 1008
-    assert decode.opens == [] and rt._live == 0
+    assert decode.opens == [] and rt.live == 0
     with c.websocket_connect("/v1/realtime", headers={"Authorization": "Bearer k"}) as ws:
         started(ws)
         ws.send_json({"type": "input", "seq": 0, "text": "hi"})

@@ -93,9 +93,34 @@ def test_the_aimd_phase_counts_the_decreases_the_controller_made(monkeypatch: py
     assert aimd["session_ticks"] >= aimd["ticks_to_fill_window"] + 2
     assert aimd["config"]["initial_cap"] == 4  # the low step: the cap starts there and climbs
     assert aimd["sustainable_sessions"] == 3 and aimd["period_s"] == 0.1  # the ramp's N is reported, the phase's P used
+    # overload shed: each cut below the live sessions closed the newest; every one of them ended shed, none collapsed
+    assert aimd["config"]["overload"] == "shed"
+    assert aimd["shed_sessions"] == sum(c["shed"] for c in aimd["caps"]) >= 1
+    assert aimd["shed_decisions"] == sum(c["shed"] > 0 for c in aimd["caps"]) >= 1
+    assert all(c["action"] == "decrease" and c["live"] > c["cap"] for c in aimd["caps"] if c["shed"])
+    assert aimd["sessions"] + aimd["shed_sessions"] == aimd["admitted_sessions"]  # collapse counts the others
     # the summary the bench prints reads every field it needs from these reports
     mode = synthetic_mode(pool_series(100.0, 120.0), [TickOutcome(q, 2.0 * q, 2.0 * q + 2.0, 2.0 * q + 0.5, 5) for q in range(60)])
     realtime._print_summary({"unbounded": mode, "bounded": mode}, aimd, wl)
     realtime._print_mode("unbounded", mode)
     out = capsys.readouterr().out
     assert "fit 50%: at 49.5s predicted 98.0s -> e=0.000" in out and f"{aimd['decreases']} decreases" in out
+    assert f"{aimd['shed_sessions']} sessions shed" in out
+
+
+def test_a_client_reads_a_1013_after_shed_overload_as_shed() -> None:
+    from deployments.realtime_sessions import ShedNotice
+
+    assert realtime.session_ending(ShedNotice(cap=3, live_sessions=5, retry_after_s=2.0).frame(), 1013) == "shed"
+    assert realtime.session_ending({"type": "error", "code": "session_limit", "message": "full"}, 1013) == "refused"
+    assert realtime.session_ending(None, 1000) == "ended"
+    assert realtime.session_ending({"type": "error", "code": "shed_overload"}, 1011) == "failed"  # the close decides
+    assert realtime.session_ending({"type": "error", "code": "engine_unavailable"}, 1011) == "failed"
+
+
+def test_the_result_line_ends_with_the_shed_sessions() -> None:
+    modes = {"bounded": {"collapsed": 0}, "unbounded": {"collapsed": 3, "cliff": {"error": 0.2654}}}
+    aimd = {"p99_over_target": None, "decreases": 2, "shed_sessions": 7}
+    assert realtime.result_line(realtime.run_result(modes, aimd)) == (
+        "RESULT bounded_collapsed=0 unbounded_collapsed=3 cliff_prediction_error=0.265 aimd_p99_over_target=nan aimd_decreases=2 "
+        "aimd_shed=7")

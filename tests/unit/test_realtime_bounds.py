@@ -16,7 +16,7 @@ def test_a_frame_over_max_frame_bytes_is_refused_1009_before_it_is_parsed() -> N
         ws.send_text('{"type": "session.start", "instructions": "' + "x" * 2000 + '"}')
         frame, code = error_then_close(ws)
     assert frame["code"] == "frame_too_large" and "1024" in frame["message"] and code == 1009
-    assert decode.opens == [] and rt._live == 0
+    assert decode.opens == [] and rt.live == 0
 
 
 def test_a_frame_too_large_mid_session_ends_it_and_releases_it() -> None:
@@ -43,7 +43,7 @@ def test_a_lone_surrogate_in_session_start_is_an_error_frame_and_1007(frame: str
         ws.send_text(frame)
         err, code = error_then_close(ws)
     assert err["code"] == "invalid_frame" and "surrogate" in err["message"] and code == 1007
-    assert decode.opens == [] and rt._live == 0
+    assert decode.opens == [] and rt.live == 0
 
 
 def test_a_lone_surrogate_in_an_input_ends_the_session_cleanly() -> None:
@@ -79,7 +79,7 @@ def test_one_user_holds_at_most_max_sessions_per_user() -> None:
             started(a4, alice)
             a4.send_json({"type": "session.end"})
             assert closed_with(a4) == 1000
-    assert len(decode.opens) == 5 and rt._live == 0 and rt._per_user == {}
+    assert len(decode.opens) == 5 and rt.live == 0 and rt._per_user == {}
     assert sorted(c.session_id for c in decode.closes) == sorted(o.session_id for o in decode.opens)  # out of order
 
 
