@@ -10,6 +10,9 @@ memories and tool calling exist once:
     respond(ready) / stream(ready)
                                 the frontend's complete / open_stream (SSE) / open_chunks (objects)
 
+Ready.memory is the recalled facts of a chat that asked for memories: each transport tells the
+client which ones (memory_api.memory_headers).
+
 A transport only turns its request into a body and the Reply into its own wire format.
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ from deployments.input_limits import InputLimits, check_input
 from deployments.memory_api import MemoryFrontend, resolve_user
 from deployments.offload import Offload
 from deployments.protocol import SESSION_ID_MAX, ChatCompletionRequest
+from memory_store.layout import MemoryPrompt
 
 SESSION_RE = re.compile(rf"^[A-Za-z0-9._:@/+=-]{{1,{SESSION_ID_MAX}}}$")
 
@@ -44,9 +48,13 @@ class CallContext:
 
 @dataclass(frozen=True)
 class Ready:
+    """A prepared request and what its transport tells the client besides the reply: its session
+    id and, for a chat that asked for memories, the recalled facts (memory_api.memory_headers)."""
+
     prepared: Prepared
     session_id: str | None
     timing: StageTimes = StageTimes()  # received and prepared (the reply's first delta adds the rest)
+    memory: MemoryPrompt | None = None  # None: no memories asked for
 
 
 def check_session_id(sid: str) -> str:
@@ -86,22 +94,23 @@ class ChatService:
             sid = session_id(call.session_header, body.session_id)
             check_input(body, self.limits, self.frontend.max_model_len)  # before any rendering
             if endpoint == "chat":
-                prepared = await self._prepare_chat(body, sid, call)
+                ready = await self._prepare_chat(body, sid, call)
             else:
-                prepared = await self._render.run(self.frontend.prepare_completion, body, sid)
+                ready = Ready(await self._render.run(self.frontend.prepare_completion, body, sid), sid)
         except APIError as e:
             self.frontend.record_rejected(endpoint, e.status)
             raise
-        return Ready(prepared, sid, StageTimes(received=received, prepared=time.time()))
+        return replace(ready, timing=StageTimes(received=received, prepared=time.time()))
 
-    async def _prepare_chat(self, body: ChatCompletionRequest, sid: str | None, call: CallContext) -> Prepared:
+    async def _prepare_chat(self, body: ChatCompletionRequest, sid: str | None, call: CallContext) -> Ready:
         if body.memories is None or self.memory is None:
-            return await self._render.run(self.frontend.prepare_chat, body, sid)
+            return Ready(await self._render.run(self.frontend.prepare_chat, body, sid), sid)
         user = resolve_user(call.bound_user, body.user, call.user_header, required=True)
         assert user is not None
         # the memories' user is the request's (and its tenant's, deployments/salt.py) in both modes
         recalled = await self.memory.chat_prompt(body, user)
-        return await self._render.run(self.frontend.prepare_chat, body.model_copy(update={"user": user}), sid, recalled)
+        prepared = await self._render.run(self.frontend.prepare_chat, body.model_copy(update={"user": user}), sid, recalled)
+        return Ready(prepared, sid, memory=recalled)
 
     async def respond(self, ready: Ready) -> Reply:
         """HTTP: a JSON body, or SSE events for a streaming request."""

@@ -8,6 +8,10 @@ an id that does not exist, so nothing leaks), the store unreachable 503.
 Who the user is: the caller names it (`user` in the body, the x-baton-user header or `?user=`);
 when API keys are bound to users (ingress.api_keys_env entries `key=user`) the key decides, and
 naming another user anywhere is refused with 403. Operator keys (bound to no user) may name any.
+
+What the client is told (memory_headers): a chat reply that asked for memories carries
+`x-baton-memories` (the recalled fact ids, comma-separated, in prompt order; empty when none was
+recalled) and `x-baton-memory-mode` (`kv` when their KV was injected, else `prompt`).
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ logger = logging.getLogger("baton.api")
 
 USER_HEADER = "x-baton-user"
 IDEMPOTENCY_HEADER = "idempotency-key"
+MEMORIES_HEADER = "x-baton-memories"  # the recalled fact ids, in prompt order
+MEMORY_MODE_HEADER = "x-baton-memory-mode"  # kv | prompt
 STORE_TIMEOUT_S = 10.0
 
 
@@ -44,6 +50,14 @@ def resolve_user(bound: str | None, *claims: str | None, required: bool) -> str 
     if required and not named:
         raise bad_request("memories need a user: send `user` in the body or the x-baton-user header", param="user", code="user_required")
     return named[0] if named else None
+
+
+def memory_headers(memory: MemoryPrompt | None) -> dict[str, str]:
+    """The HTTP reply headers that say which facts a request recalled and how they
+    reached the engine; none for a request that asked for no memories."""
+    if memory is None:
+        return {}
+    return {MEMORIES_HEADER: ",".join(memory.fact_ids), MEMORY_MODE_HEADER: memory.mode}
 
 
 def store_error(e: BaseException) -> APIError:

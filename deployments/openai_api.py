@@ -21,12 +21,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.api_keys import access_refusal, authenticate, authorized
 from deployments.api_keys import api_keys_from_env as api_keys_from_env  # re-exported: the ingress imports it from here
-from deployments.chat_service import CallContext, ChatService, check_session_id, session_id
+from deployments.chat_service import CallContext, ChatService, Ready, check_session_id, session_id
 from deployments.errors import APIError, bad_request, conversation_not_found, unavailable
 from deployments.frontend import OpenAIFrontend, Reply
 from deployments.hop_timing import server_timing
 from deployments.input_limits import InputLimits
-from deployments.memory_api import IDEMPOTENCY_HEADER, USER_HEADER, MemoryFrontend, resolve_user
+from deployments.memory_api import IDEMPOTENCY_HEADER, USER_HEADER, MemoryFrontend, memory_headers, resolve_user
 from deployments.protocol import AddMemoriesRequest, ChatCompletionRequest, CompletionRequest
 from deployments.realtime_api import CLOSE_POLICY, RealtimeFrontend
 from deployments.request_body import parse_body
@@ -125,7 +125,7 @@ def build_openai_app(
         chat_service.precheck(endpoint)  # overloaded: 429 before the body is read
         call = CallContext(_bound_user(request), request.headers.get(USER_HEADER), request.headers.get(SESSION_HEADER))
         ready = await chat_service.prepare(endpoint, lambda: _parse(request, model), call)
-        return _respond(await chat_service.respond(ready), ready.session_id, ingress_id)
+        return _respond(await chat_service.respond(ready), ready, ingress_id)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
@@ -236,12 +236,14 @@ def _fact_id(fact_id: str) -> str:
     return fact_id
 
 
-def _respond(reply: Reply, sid: str | None, ingress_id: str | None) -> Any:
-    headers = {SESSION_HEADER: sid} if sid else {}
+def _respond(reply: Reply, ready: Ready, ingress_id: str | None) -> Any:
+    """The reply with its headers: session id, ingress, replica, recalled memories, Server-Timing."""
+    headers = {SESSION_HEADER: ready.session_id} if ready.session_id else {}
     if ingress_id:
         headers[INGRESS_HEADER] = ingress_id
     if reply.replica:
         headers[REPLICA_HEADER] = reply.replica
+    headers.update(memory_headers(ready.memory))  # x-baton-memories, x-baton-memory-mode
     if reply.timing is not None:
         headers["Server-Timing"] = server_timing(reply.timing)
     if reply.events is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from kv_transfer.injection import MemoryFact, MemoryInjection
 
@@ -47,6 +47,13 @@ class MemoryPrompt:
     token_ids: tuple[int, ...]
     injection: MemoryInjection | None  # None in prompt mode or without facts
     cache_salt: str | None
+    fact_ids: tuple[str, ...] = ()  # the recalled facts, in prompt order (what the client is told)
+
+    @property
+    def mode(self) -> Literal["kv", "prompt"]:
+        """How the facts reach the engine: "kv" when their KV is injected, else "prompt" (prompt
+        mode, or no fact recalled: nothing to inject)."""
+        return "kv" if self.injection is not None else "prompt"
 
 
 def fact_line(text: str) -> str:
@@ -89,12 +96,13 @@ def memory_prompt(
         placed.append(MemoryFact(fact_id=f.fact_id, start=len(ids), token_ids=line, context_ids=ctx, context_fact_ids=ctx_ids))
         ids.extend(line)
     ids.extend(renderer.text_tokens(after))
+    fact_ids = tuple(f.fact_id for f in facts)
     if not inject or not placed:
-        return MemoryPrompt(tuple(ids), None, None)
+        return MemoryPrompt(tuple(ids), None, None, fact_ids)
     injection = MemoryInjection(user=user, anchor_len=len(anchor), facts=tuple(placed), window=window, model=model,
                                 deletions=deletions)
     injection.check_integrity(len(ids))
-    return MemoryPrompt(tuple(ids), injection, composition_salt(injection, anchor))
+    return MemoryPrompt(tuple(ids), injection, composition_salt(injection, anchor), fact_ids)
 
 
 def composition_salt(injection: MemoryInjection, anchor: Sequence[int]) -> str:

@@ -47,13 +47,39 @@ echo "[demo] application healthy after $(( $(date +%s) - T0 )) s"
 echo "[demo] replaying $TRACE"
 python -m baton replay "$TRACE" --url "$URL" --concurrency 4 --out "$OUT"
 
-echo "[demo] memories: store two facts for user 'demo', then ask with memories recalled as KV"
+echo "[demo] memories: store two facts for user 'demo', then ask what one of them says (recalled as KV)"
 curl -sf -X DELETE "$URL/v1/memories?user=demo" >/dev/null
 curl -sf -X POST "$URL/v1/memories" -H 'content-type: application/json' \
-  -d '{"user": "demo", "facts": ["My dog is a beagle called Biscuit.", "I live in Porto and work as a baker."]}' >/dev/null
-curl -sf "$URL/v1/chat/completions" -H 'content-type: application/json' \
-  -d '{"messages": [{"role": "user", "content": "What is my dog called?"}], "user": "demo",
-       "memories": {"k": 2}, "max_tokens": 24, "temperature": 0}' \
-  | python -c 'import json, sys; r = json.load(sys.stdin); u = r["usage"]
-print("[demo] answer:", r["choices"][0]["message"]["content"].strip())
-print("[demo] prompt tokens", u["prompt_tokens"], "of which injected or cached", u["prompt_tokens_details"]["cached_tokens"])'
+  -d '{"user": "demo", "facts": ["My dog is called Biscuit.", "I live in Porto and work as a baker."]}' >/dev/null
+# which facts were recalled (x-baton-memories), how many prompt tokens came as KV, the answer; a
+# missing header or no recalled fact is a failure of Baton, the model's wording never is
+python -c '
+import json, sys, urllib.request
+url, key = sys.argv[1], "Biscuit"
+
+def call(path, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return r.headers, json.load(r)
+
+headers, r = call("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say the name of my dog."}],
+                                            "user": "demo", "memories": {"k": 2}, "max_tokens": 8, "temperature": 0})
+recalled = headers.get("x-baton-memories")
+if recalled is None:
+    sys.exit("[demo] FAILED: the chat reply has no x-baton-memories header")
+ids = [i for i in recalled.split(",") if i]
+if not ids:
+    sys.exit("[demo] FAILED: no memories were recalled for user demo")
+facts = [call(f"/v1/memories/{i}?user=demo")[1]["text"] for i in ids]
+u, answer, mode = r["usage"], r["choices"][0]["message"]["content"].strip(), headers.get("x-baton-memory-mode")
+print(f"[demo] recalled {len(ids)} facts ({mode} mode):")
+for f in facts:
+    print("[demo]   -", f)
+print("[demo] prompt tokens", u["prompt_tokens"], "of which injected as KV (or cached)", u["prompt_tokens_details"]["cached_tokens"])
+print("[demo] answer:", answer)
+if key.lower() in answer.lower():
+    print("[demo] the answer uses the recalled fact")
+else:
+    print("[demo] the model did not use it; the recalled facts were:", "; ".join(facts))
+' "$URL"

@@ -332,6 +332,75 @@ def test_a_hanging_store_times_out_as_503(tmp_path: Path, monkeypatch: pytest.Mo
     assert api.backend.requests == []
 
 
+# ---- which memories a reply recalled: x-baton-memories, x-baton-memory-mode ----------------------
+
+def recalled_of(r: httpx.Response) -> list[str]:
+    assert r.status_code == 200, r.text
+    value = r.headers["x-baton-memories"]
+    return value.split(",") if value else []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_with_memories_names_the_recalled_facts_in_prompt_order(api: Api, stream: bool) -> None:
+    ids = ids_of(api.add("alice", ALICE_FACTS))
+    r = api.chat({"k": 2}, content="dog Rex violin", stream=stream)
+    assert r.headers["content-type"].startswith("text/event-stream" if stream else "application/json")
+    inj = api.backend.last.memory
+    assert recalled_of(r) == [f.fact_id for f in inj.facts] == [ids[0], ids[2]]
+    assert r.headers["x-baton-memory-mode"] == "kv"
+    assert r.headers["x-baton-replica"] == "replica-a"  # beside the replica header, not instead of it
+    if stream:
+        assert r.text.rstrip().endswith("data: [DONE]")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_mode_replies_name_the_facts_in_prompt_order(tmp_path: Path, stream: bool) -> None:
+    api = make_api(tmp_path, mode="prompt")
+    ids = ids_of(api.add("alice", ALICE_FACTS))
+    r = api.chat({"ids": [ids[2], ids[0]]}, stream=stream)  # asked in another order
+    prompt = api.backend.last.prompt_token_ids
+
+    def at(text: str) -> int:
+        line = api.line_ids(text)
+        return next(i for i in range(len(prompt)) if prompt[i : i + len(line)] == line)
+
+    assert recalled_of(r) == [ids[0], ids[2]] and at(ALICE_FACTS[0]) < at(ALICE_FACTS[2])
+    assert r.headers["x-baton-memory-mode"] == "prompt"
+    assert api.chat({"ids": [ids[1]], "mode": "kv"}, stream=stream).headers["x-baton-memory-mode"] == "kv"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_memories_asked_but_none_recalled_is_an_empty_header(api: Api, stream: bool) -> None:
+    r = api.chat({"k": 3}, stream=stream)  # alice has no facts
+    assert r.status_code == 200, r.text
+    assert r.headers["x-baton-memories"] == "" and recalled_of(r) == []
+    assert r.headers["x-baton-memory-mode"] == "prompt"  # nothing was injected
+    assert api.backend.last.memory is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_without_memories_has_no_memory_headers(api: Api, stream: bool) -> None:
+    api.add("alice", ALICE_FACTS)
+    r = api.chat(None, stream=stream)
+    assert r.status_code == 200, r.text
+    assert "x-baton-memories" not in r.headers and "x-baton-memory-mode" not in r.headers
+    c = api.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": stream})
+    assert c.status_code == 200 and "x-baton-memories" not in c.headers
+
+
+def test_a_refused_chat_with_memories_has_no_memory_headers(api: Api) -> None:
+    r = api.chat({"k": 101})
+    assert r.status_code == 400 and "x-baton-memories" not in r.headers
+
+
+def test_memory_headers() -> None:
+    from memory_store.layout import MemoryPrompt
+
+    assert memory_api.memory_headers(None) == {}
+    assert memory_api.memory_headers(MemoryPrompt((1, 2), None, None)) == {"x-baton-memories": "", "x-baton-memory-mode": "prompt"}
+    assert memory_api.memory_headers(MemoryPrompt((1,), None, None, ("b", "a")))["x-baton-memories"] == "b,a"
+
+
 # ---- helpers --------------------------------------------------------------------------------------
 
 def test_resolve_user() -> None:

@@ -79,6 +79,28 @@ def test_no_facts_means_no_injection() -> None:
     assert w("remember") in p.token_ids
 
 
+def test_fact_ids_are_the_recalled_facts_in_prompt_order() -> None:
+    reordered = (FACTS[2], FACTS[0], FACTS[1])
+    kv = prompt(facts=reordered)
+    assert kv.fact_ids == ("f3", "f1", "f2") == tuple(f.fact_id for f in kv.injection.facts)
+    starts = [f.start for f in kv.injection.facts]
+    assert starts == sorted(starts)  # the order the facts sit in the prompt
+    # context facts (c1, c2) are not recalled facts: they never appear in fact_ids
+    assert "c1" not in kv.fact_ids
+
+
+def test_fact_ids_and_mode_in_kv_and_prompt_mode() -> None:
+    kv, text = prompt(inject=True), prompt(inject=False)
+    assert kv.fact_ids == text.fact_ids == ("f1", "f2", "f3")
+    assert kv.mode == "kv" and text.mode == "prompt"
+
+
+def test_no_facts_means_no_fact_ids_and_prompt_mode() -> None:
+    for inject in (True, False):
+        p = prompt(facts=(), inject=inject)
+        assert p.fact_ids == () and p.mode == "prompt"  # nothing injected, even when KV was asked for
+
+
 def test_a_fact_places_the_same_tokens_wherever_it_sits() -> None:
     alone = prompt(facts=(FACTS[2],)).injection.facts[0]
     third = prompt().injection.facts[2]

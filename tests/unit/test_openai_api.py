@@ -277,6 +277,14 @@ def test_chat_stream_chunks_in_order(api: Api) -> None:
     assert all("usage" not in c for c in chunks)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_without_memories_has_no_memory_headers(api: Api, stream: bool) -> None:
+    """x-baton-memories / x-baton-memory-mode come only with `memories` (tests/unit/test_memory_api.py)."""
+    r = api.chat(stream=stream, headers={"x-session-id": "s1"})
+    assert r.status_code == 200 and r.headers["x-baton-replica"] == "replica-a"
+    assert "x-baton-memories" not in r.headers and "x-baton-memory-mode" not in r.headers
+
+
 def test_chat_stream_usage_chunk_only_when_asked() -> None:
     api = make_api(FakeBackend(cached_tokens=2))
     no_usage = sse_events(api.chat(stream=True, stream_options={"include_usage": False}))
