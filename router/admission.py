@@ -30,12 +30,9 @@ Overload (`overload`), what a decrease does to the sessions already live above t
                    counts them gone at once (live == cap after the shed), so the draining hold does
                    not follow a shed and the next window sees the load of the new cap.
 
-Window: latencies observed at t with t >= now - window_s, of ticks that began (t - latency) at or
-after the last reset (a miss counts from when it was observed). The window is reset (emptied)
-whenever the cap changes or a drain-hold is taken, so each decision looks only at ticks served
-under the current cap and load: a tick queued behind the load that caused a decrease, and
-answered after it, would otherwise trigger a second decrease for the same overshoot (measured
-before this rule: three cuts in a row, 31 -> 21 -> 14 -> 9, 2 s apart, on one overshoot).
+Window: latencies observed at t with t >= now - window_s and t >= the last reset. The window is
+reset (emptied) whenever the cap changes or a drain-hold is taken, so each decision looks only
+at latencies observed under the current cap and load.
 
 Invariants (`check_integrity`): min_cap <= cap <= max_cap; window samples sorted by time and
 none before the last reset; latencies >= 0 (+inf for misses); under drain nothing is ever shed
@@ -157,8 +154,8 @@ class AIMDController:
         """Record one tick's latency observed at `now` (+inf: the tick never arrived)."""
         if math.isnan(latency_s) or latency_s < 0:
             raise ValueError(f"latency must be >= 0, got {latency_s}")
-        if now < self._window_start or (math.isfinite(latency_s) and now - latency_s < self._window_start):
-            return  # observed, or begun and queued, under a previous cap
+        if now < self._window_start:
+            return  # observed under a previous cap
         bisect.insort(self._samples, (now, latency_s))
 
     def observe_miss(self, now: float) -> None:
