@@ -10,9 +10,10 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import yaml
@@ -22,6 +23,7 @@ from baton.bench.ray_session import stop_ray_session
 from baton.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -76,16 +78,22 @@ def decode_transfers(url: str) -> int:
     return sum(int(r.get("kv_transfers_received", 0)) for r in snap["replicas"].values() if r["pool"] == "decode" and r["live"])
 
 
-def settled_transfers(url: str) -> int:
-    """decode_transfers once two consecutive reports agree (replicas report every second)."""
-    last = -1
-    for _ in range(20):
-        time.sleep(1.5)
-        now = decode_transfers(url)
+def settled(read: Callable[[], T], tries: int = 20, pause_s: float = 1.5) -> T:
+    """read() once two consecutive reads agree (replicas report every second), or the last read."""
+    last: T | None = None
+    for _ in range(tries):
+        time.sleep(pause_s)
+        now = read()
         if now == last:
             return now
         last = now
+    assert last is not None
     return last
+
+
+def settled_transfers(url: str) -> int:
+    """decode_transfers once two consecutive reports agree (replicas report every second)."""
+    return settled(lambda: decode_transfers(url))
 
 
 class LocalServeApp:

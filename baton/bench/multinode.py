@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 import yaml
 
-from baton.bench.cluster import LocalServeApp
+from baton.bench.cluster import LocalServeApp, settled
 from baton.bench.multinode_stats import CycleStats, TurnRecord, cycle_stats, result_line
 from baton.bench.ray_nodes import WorkerNode, kill_raylet, leftovers
 from baton.bench.reliability_client import Client, Tally
@@ -122,18 +122,6 @@ def _transfers(url: str, replica: str) -> tuple[int, int]:
     return int(r.get("kv_transfers_received", 0)), int(r.get("kv_bytes_received", 0))
 
 
-def _settled_transfers(url: str, replica: str) -> tuple[int, int]:
-    """The replica's transfer counters once two consecutive reports agree (it reports every second)."""
-    last = (-1, -1)
-    for _ in range(20):
-        time.sleep(1.5)
-        now = _transfers(url, replica)
-        if now == last:
-            return now
-        last = now
-    return last
-
-
 def _resumed(url: str) -> int:
     return int(stats(url)["ingress"].get("stream_resumes", {}).get("resumed", 0))
 
@@ -153,13 +141,13 @@ def _client_loop(conv: Conversation, t0: float, stop_at: float, out: list[TurnRe
 def run_cycle(app: LocalServeApp, url: str, cycle: int, p: Plan, layout: Layout) -> tuple[CycleStats, list[TurnRecord], str]:
     client = Client(url, Tally(), timeout_s=180)
     try:
-        before_n, before_b = _settled_transfers(url, layout.worker_decoder)
+        before_n, before_b = settled(lambda: _transfers(url, layout.worker_decoder))
         convs = [Conversation(client, None, f"mn{cycle}-{i}") for i in range(p.conversations)]
         for c in convs:
             c.turn("Which city should I visit in May?", max_tokens=TURN_TOKENS)
         placed = [c.replicas[-1] for c in convs]
         on_worker = sum(r == layout.worker_decoder for r in placed)
-        after_n, after_b = _settled_transfers(url, layout.worker_decoder)
+        after_n, after_b = settled(lambda: _transfers(url, layout.worker_decoder))
         print(f"[multinode] cycle {cycle}: {on_worker} of {len(convs)} conversations on the worker's decoder "
               f"{layout.worker_decoder}; it received {after_n - before_n} KV transfers ({(after_b - before_b) / 1e6:.1f} MB) from the head")
         resumed0 = _resumed(url)
