@@ -60,8 +60,9 @@ class MemoryStore:
 
     async def get_segments(self, user: str, keys: Sequence[SegmentKey]) -> dict[SegmentKey, Any]:
         found = await asyncio.to_thread(self._svc.get_segments, user, keys)
-        self._hits.inc(len(found), tags={"result": "hit"})
-        self._hits.inc(len(keys) - len(found), tags={"result": "miss"})
+        for result, n in (("hit", len(found)), ("miss", len(keys) - len(found))):
+            if n:  # a Ray counter refuses an increment of 0: an all-hit lookup raised and the engine re-encoded
+                self._hits.inc(n, tags={"result": result})
         return found
 
     async def put_segments(self, user: str, items: Sequence[tuple[SegmentKey, Any, Sequence[str]]]) -> int:
