@@ -3,19 +3,48 @@
 The ingress asks `can_admit(live_sessions)` when a session opens; "no room" is a value
 (`Admission(admitted=False, reason="at_cap", retry_after_s=...)`) that the endpoint turns into a
 429 / WebSocket close. Every tick reply (or a tick that never arrived) is fed to `observe` /
-`observe_miss`; `update(now)` runs the control law at most once per `control_period_s`:
+`observe_miss`; `update(now)` runs the control law at most once per `control_period_s`; the
+first rule that applies decides:
 
     p99 = nearest-rank 99th percentile of the tick latencies in the window (a miss is +inf)
+    cooling > 0                           -> hold  ("cooling": cooling -= 1, window reset)
     samples < min_samples                 -> hold  ("too_few_samples")
     p99 > target and live > cap           -> hold  ("draining": the last decrease has not bitten)
     p99 > target                          -> cap = max(min_cap, floor(cap * factor))  "decrease"
+                                             cooling = cooldown_periods, ceiling = the cap before
                                              (overload shed: and shed = max(0, live - cap))
-    p99 <= target and cap was binding     -> cap = min(max_cap, cap + step)           "increase"
     p99 <= target and cap not binding     -> hold  ("not_binding")
+    cap == ceiling - 1, held < probe_hold -> hold  ("below_ceiling": held += 1)
+    cap == ceiling - 1                    -> cap = ceiling                 "increase" ("probe")
+    otherwise                             -> cap = min(max_cap, cap + step)  "increase" ("on_target")
+                                             (and <= ceiling - 1; at cap == ceiling, the probe
+                                             held on target: the ceiling is dropped first)
 
-Binding: at some point in the period the live-session count (seen through `can_admit`,
-`note_live` or `update(live_sessions=)`) reached cap - 1 or more. Without this an idle system
-would raise its cap without bound and then admit a burst it cannot serve.
+held: below-ceiling holds in a row, back to 0 on any other decision. Binding: at some point in
+the period the live-session count (seen through `can_admit`, `note_live` or
+`update(live_sessions=)`) reached cap - 1 or more. Without this an idle system would raise its
+cap without bound and then admit a burst it cannot serve.
+
+Cooldown (`cooldown_periods`, default 1; 0: off): one cut per round trip. A cut shows in the
+latencies only later: ticks queued under the old cap (under shed, also the closed sessions' last
+ticks) are answered after it, late, into the next window, and judging that window cuts again for
+the same overshoot (measured on the engine: 31 -> 21 -> 14 -> 9, 2 s apart). TCP's congestion
+control meets the same echo and waits about a round trip after a reduction before it reduces
+again; here the controller holds `cooldown_periods` periods after a decrease, neither cutting nor
+raising, and empties the window at each, so the next decision sees only ticks observed after the
+cooldown. It must span the backlog: late ticks for k periods after a cut need cooldown >= k.
+
+Ceiling (`probe_hold_periods`, default 10; 0: off, no ceiling kept): the cap C that overshot is
+remembered. The cap climbs back to C - 1 only, holds there ("below_ceiling") for
+probe_hold_periods consecutive on-target binding periods, then probes C for one period: on target,
+the capacity grew and the ceiling is forgotten (additive increase resumes); over target, the usual
+decrease, C the ceiling again. A decrease from under the ceiling (the capacity fell) makes that
+cap the ceiling. Why 10: on a fixed curve only the probe period runs over target, once per cycle
+of 1 + cooldown + climb + hold periods, so the over-target share of periods is 1 / cycle <=
+1 / (probe_hold_periods + 1) = 1/11; without the hold, 1 / (climb + 1) (tests' linear curve: 1/24
+vs 1/14; knee: 1/30 vs 1/20). A longer hold lowers it further but leaves grown capacity unused for
+longer (10 periods at the 2 s default: 20 s). A whole-run p99 on target needs under 1 % of ticks
+over it, a cycle of ~100 periods, too slow to follow the load; hence the target margin below.
 
 Overload (`overload`), what a decrease does to the sessions already live above the new cap:
   drain (default)  nothing: the cap only gates new sessions and live ones end on their own. While
@@ -31,21 +60,25 @@ Overload (`overload`), what a decrease does to the sessions already live above t
                    not follow a shed and the next window sees the load of the new cap.
 
 Window: latencies observed at t with t >= now - window_s and t >= the last reset. The window is
-reset (emptied) whenever the cap changes or a drain-hold is taken, so each decision looks only
-at latencies observed under the current cap and load.
+reset (emptied) whenever the cap changes or a draining or cooling hold is taken, so each
+decision looks only at latencies observed under the current cap and load.
 
 Invariants (`check_integrity`): min_cap <= cap <= max_cap; window samples sorted by time and
-none before the last reset; latencies >= 0 (+inf for misses); under drain nothing is ever shed
-(shed_total == 0). A Decision checks its own: shed >= 0, and shed > 0 only on a decrease.
+none before the last reset; latencies >= 0 (+inf for misses); under drain nothing is ever shed;
+0 <= cooling <= cooldown_periods; ceiling None (always when probe_hold_periods == 0) or
+min_cap < ceiling <= max_cap and cap <= ceiling (== only while probing); 0 <= held <=
+probe_hold_periods, held > 0 only at cap == ceiling - 1. A Decision checks its own: shed >= 0,
+shed > 0 only on a decrease, cap_after <= its ceiling.
 
 Convergence on a latency curve rising through the target at N* (curve(n) <= target iff n <= N*)
-with offered load above N*: the cap climbs by `additive_step` per period to floor(N*) + 1, the
-first period there overshoots, the cap falls to floor(factor * (floor(N*) + 1)) and climbs
-again: a sawtooth in [floor(factor * (floor(N*) + 1)), floor(N*) + 1] (tests/unit/test_admission.py,
-driven by the simulator in baton/bench/admission_sim.py).
-The one probing period per cycle at floor(N*) + 1 runs over target (about 6-9 % of ticks in the
-tests' curves), so a whole-run p99 sits just above the target; to hold an SLO, set target_p99_ms
-about 10 % under it (whole-run p99 = 0.91 x SLO on the same curves).
+with offered load above N*: the cap climbs by `additive_step` per period to top = floor(N*) + 1;
+that period overshoots, the cap falls to floor(factor * top) with ceiling top, cools down, climbs
+to top - 1, holds there probe_hold_periods periods and probes top for one period, which
+overshoots: a sawtooth in [floor(factor * top), top] with a flat run under each tooth
+(tests/unit/test_admission.py, on the simulator in baton/bench/admission_sim.py). Only the probe
+period runs over target (simulated: 4.0 % of periods on the linear curve, 3.2 % on the knee; 7.2
+and 5.0 % with cooldown_periods = probe_hold_periods = 0), so a whole-run p99 still sits just over
+the target; to hold an SLO, set target_p99_ms about 10 % under it (whole-run p99 = 0.91 x SLO).
 """
 from __future__ import annotations
 
@@ -76,6 +109,15 @@ class AdmissionConfig(BaseModel):
         "drain", description="What a decrease does to the live sessions above the new cap. drain: nothing, they tick on "
         "until they end (the controller holds, 'draining', while live > cap); shed: the newest of them are closed at "
         "their next tick boundary (error frame shed_overload, close 1013 with retry_after_s), so the cut bites at once.")
+    cooldown_periods: int = Field(
+        1, ge=0, description="Control periods after a decrease in which the cap neither falls nor rises (hold 'cooling'), "
+        "the window emptied at each: ticks queued under the old cap and answered late then cannot draw a second cut for "
+        "the same overshoot. It should cover that backlog, in periods. 0: no cooldown (a cut every period while over target).")
+    probe_hold_periods: int = Field(
+        10, ge=0, description="After a decrease from cap C, the cap climbs back to C - 1 only and holds there "
+        "('below_ceiling') for this many consecutive on-target binding periods before probing C for one period (on "
+        "target: C is forgotten; over: cut again). The over-target share of periods is then at most 1 / (this + 1). "
+        "0: no ceiling kept (the cap climbs straight back to C and overshoots every cycle).")
 
     @model_validator(mode="after")
     def _bounds(self) -> AdmissionConfig:
@@ -107,7 +149,8 @@ class Admission:
 
 
 Action = Literal["increase", "decrease", "hold"]
-Reason = Literal["overshoot", "on_target", "too_few_samples", "not_binding", "draining", "at_limit", "period_not_elapsed"]
+Reason = Literal["overshoot", "on_target", "probe", "too_few_samples", "not_binding", "draining", "cooling", "below_ceiling",
+                 "at_limit", "period_not_elapsed"]
 
 
 @dataclass(frozen=True)
@@ -123,16 +166,33 @@ class Decision:
     samples: int
     binding: bool
     shed: int = 0  # live sessions to close (overload: shed, on a decrease): live - cap_after
+    ceiling: int | None = None  # the remembered cap that overshot, after this decision (None: none kept)
 
     def __post_init__(self) -> None:
         if self.shed < 0 or (self.shed and self.action != "decrease"):
             raise AssertionError(f"a {self.action} decision cannot shed {self.shed} sessions")
+        if self.ceiling is not None and self.cap_after > self.ceiling:
+            raise AssertionError(f"cap {self.cap_after} above the ceiling {self.ceiling}")
 
 
 def p99(values: list[float]) -> float:
     """Nearest-rank 99th percentile (the smallest value >= 99 % of the values); values non-empty."""
     ordered = sorted(values)
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def lowered_cap(cap: int, cfg: AdmissionConfig) -> int:
+    """The multiplicative decrease: max(min_cap, floor(cap * factor))."""
+    return max(cfg.min_cap, math.floor(cap * cfg.multiplicative_factor))
+
+
+def raised_cap(cap: int, cfg: AdmissionConfig, ceiling: int | None) -> int:
+    """The additive increase, stopped one under the ceiling; from ceiling - 1 itself: the probe, to
+    the ceiling. ceiling None: no memory, min(max_cap, cap + step)."""
+    up = min(cfg.max_cap, cap + cfg.additive_step)
+    if ceiling is None:
+        return up
+    return ceiling if cap == ceiling - 1 else min(up, ceiling - 1)
 
 
 class AIMDController:
@@ -147,6 +207,14 @@ class AIMDController:
         self._binding = False
         self._live: int | None = None  # last live-session count reported
         self.shed_total = 0  # sessions the decisions said to shed (overload: shed)
+        self.ceiling: int | None = None  # the cap that last overshot (probe_hold_periods > 0)
+        self._cooling = 0  # control periods of cooldown left after the last decrease
+        self._held = 0  # below-ceiling holds in a row
+
+    @property
+    def probing(self) -> bool:
+        """The cap is at the ceiling: the period under way is the probe."""
+        return self.ceiling is not None and self.cap == self.ceiling
 
     # ---- inputs ---------------------------------------------------------------------------------
 
@@ -198,15 +266,23 @@ class AIMDController:
         action, reason = self._decide(value, len(lats), binding)
         shed = 0
         if action == "decrease":
-            self.cap = max(self.config.min_cap, math.floor(self.cap * self.config.multiplicative_factor))
+            if self.config.probe_hold_periods:
+                self.ceiling = self.cap
+            self.cap = lowered_cap(self.cap, self.config)
+            self._cooling = self.config.cooldown_periods
             shed = self._shed()
         elif action == "increase":
-            self.cap = min(self.config.max_cap, self.cap + self.config.additive_step)
-        if action != "hold" or reason == "draining":
+            if self.probing:  # the probe held on target: the capacity grew past the old ceiling
+                self.ceiling = None
+            self.cap = raised_cap(self.cap, self.config, self.ceiling)
+        elif reason == "cooling":
+            self._cooling -= 1
+        self._held = self._held + 1 if reason == "below_ceiling" else 0
+        if action != "hold" or reason in ("draining", "cooling"):
             self._reset_window(now)
         self._period_start = now
         self._binding = self._live is not None and self._live >= self.cap - 1
-        return Decision(now, action, reason, cap_before, self.cap, value, len(lats), binding, shed)
+        return Decision(now, action, reason, cap_before, self.cap, value, len(lats), binding, shed, self.ceiling)
 
     def _shed(self) -> int:
         """Under overload "shed": the live sessions over the new cap, counted gone (live == cap)."""
@@ -218,6 +294,8 @@ class AIMDController:
 
     def _decide(self, value: float | None, samples: int, binding: bool) -> tuple[Action, Reason]:
         cfg = self.config
+        if self._cooling:
+            return "hold", "cooling"
         if value is None or samples < cfg.min_samples:
             return "hold", "too_few_samples"
         if value > cfg.target_p99_s:
@@ -230,6 +308,8 @@ class AIMDController:
             return "hold", "not_binding"
         if self.cap >= cfg.max_cap:
             return "hold", "at_limit"
+        if self.ceiling is not None and self.cap == self.ceiling - 1:
+            return ("hold", "below_ceiling") if self._held < cfg.probe_hold_periods else ("increase", "probe")
         return "increase", "on_target"
 
     def _prune(self, now: float) -> None:
@@ -254,3 +334,13 @@ class AIMDController:
             raise AssertionError("negative latency in window")
         if cfg.overload == "drain" and self.shed_total:
             raise AssertionError(f"overload drain shed {self.shed_total} sessions")
+        if not 0 <= self._cooling <= cfg.cooldown_periods:
+            raise AssertionError(f"cooldown {self._cooling} outside [0, {cfg.cooldown_periods}]")
+        if self.ceiling is not None and not (cfg.probe_hold_periods and cfg.min_cap < self.ceiling <= cfg.max_cap
+                                             and self.cap <= self.ceiling):
+            raise AssertionError(f"ceiling {self.ceiling} with cap {self.cap} in [{cfg.min_cap}, {cfg.max_cap}], "
+                                 f"probe_hold_periods {cfg.probe_hold_periods}")
+        if not 0 <= self._held <= cfg.probe_hold_periods:
+            raise AssertionError(f"{self._held} below-ceiling holds, more than {cfg.probe_hold_periods}")
+        if self._held and (self.ceiling is None or self.cap != self.ceiling - 1):
+            raise AssertionError(f"{self._held} below-ceiling holds at cap {self.cap}, ceiling {self.ceiling}")

@@ -36,6 +36,16 @@ class SimulationTrace:
     def shed_total(self) -> int:
         return sum(s.shed for s in self.steps)
 
+    def over_target_share(self, target_s: float, since: float = -math.inf) -> float:
+        """Share of the steps with live sessions whose ticks ran over target_s. Without session_s the
+        cap and live count change only at control decisions, so with `since` on a period boundary
+        this is also the share of control periods over target."""
+        lats = [s.latency_s for s in self.steps if s.t >= since and s.latency_s is not None]
+        return sum(lat > target_s for lat in lats) / len(lats) if lats else 0.0
+
+    def decisions(self, action: str) -> list[Decision]:
+        return [s.decision for s in self.steps if s.decision.action == action]
+
 
 @dataclass(frozen=True)
 class _Session:
@@ -53,6 +63,7 @@ def simulate(
     *,
     start: float = 0.0,
     session_s: float | None = None,
+    backlog_steps: int = 0,
 ) -> SimulationTrace:
     """Drive `controller` against a simulated system whose tick latency is latency_curve(live).
 
@@ -65,7 +76,12 @@ def simulate(
          once, chosen by router/shedding.choose_shed (newest first), before the arrivals;
       3. every live session ticks once, all with latency latency_curve(live) observed at t
          (+inf from the curve is a miss). So the window p99 is curve(live).
+    backlog_steps > 0: the latency is instead latency_curve of the largest live count of this step
+    and the backlog_steps before it: ticks queued under a heavier load are still answered late for
+    that many steps after the load fell (the backlog a cut leaves behind).
     """
+    if backlog_steps < 0:
+        raise ValueError(f"backlog_steps must be >= 0, got {backlog_steps}")
     offered_at = offered_sessions if callable(offered_sessions) else (lambda _t, n=offered_sessions: n)
     sessions: list[_Session] = []  # live sessions (session_s mode)
     live, admitted = 0, 0
@@ -92,7 +108,8 @@ def simulate(
                 admitted += 1
             live = len(sessions)
             controller.note_live(live)
-        latency = latency_curve(live) if live else None
+        recent = [s.live for s in out[-backlog_steps:]] if backlog_steps else []
+        latency = latency_curve(max([live, *recent])) if live else None
         for _ in range(live):
             if latency is not None and math.isinf(latency):
                 controller.observe_miss(t)
