@@ -5,28 +5,32 @@ store logic (SQLite + all-MiniLM-L6-v2 retrieval, memory_store/store.py) and the
 resolver (memory_store/resolver.py). Facts are a LoCoMo conversation's dialog turns (one user
 per conversation), questions its `qa` items. Both modes send the same token ids (the layout of
 memory_store/layout.py); prompt injection computes every token, KV injection loads the anchor
-and the facts from precomputed segments and computes the rest. Every request carries a fresh
-cache salt, so no measured request is served from vLLM's prefix cache.
+and the facts from precomputed segments and computes the rest. Every timed request carries a
+fresh cache salt, so no measured request is served from vLLM's prefix cache unless it is meant to.
 
 Measured, for k in {5, 10, 20, 50}:
-- TTFT (engine submit → first token, concurrency 1, max_tokens 1) p50/p95 per mode;
+- engine TTFT (engine submit -> first token, concurrency 1, max_tokens 1) p50/p95 per mode:
+  prompt, kv, and hit -- the physical floor: the same prompt with its whole memory prefix
+  [0, injection.end) already resident as exact cached KV (a prefix-cache hit primed by an
+  unmeasured request with the same salt), only the suffix computed (and the prefix's last
+  partial block: hits are whole blocks, 32 tokens here);
 - throughput (requests/s and output tokens/s) at a fixed concurrency, max_tokens 16;
-- fidelity at k=10: teacher-forced top-1 accuracy along the reference answer (the share of
-  reference tokens the model predicts as its top token, given the reference prefix), for prompt
-  injection, KV injection with the default window w, and with w = 0; plus generated answers'
-  token-F1 against the reference, and top-1 agreement between KV and prompt injection.
-Segments are encoded before timing (InferScale precomputes them when facts are added); the
-time to encode is reported separately.
+- fidelity at k = 10 and k = 50 (baton/bench/memory_fidelity.py): top-1 agreement with prompt
+  injection and mean per-position KL(prompt || kv) over the whole vocabulary, top-1 accuracy along
+  the reference answer, for the default window w and w = 0; answers' token-F1 at k = 10;
+- the service path (baton/bench/memory_service.py): question text -> first token through the
+  memory-store actor's recall, the layout, the resolver (warm replica LRU, pulled from the store,
+  or encoded) and the engine, at concurrency 1 and 16, for k = 5 and 50.
+Segments are encoded before the engine timings (InferScale precomputes them when facts are added);
+the time to encode is reported separately, and as the service path's encode tier.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import re
 import tempfile
 import time
 import uuid
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,22 +41,32 @@ from baton.paths import REPO_ROOT
 ROOT = REPO_ROOT
 LOCOMO = ROOT.parent / "shared" / "data" / "locomo"
 KS = (5, 10, 20, 50)
-FIDELITY_K = 10
+FIDELITY_K = 10  # the headline k of fidelity_ratio and of answers' F1
+FIDELITY_KS = (10, 50)
+SERVICE_KS = (5, 50)
+SERVICE_CONCURRENCY = 16
 DEFAULT_WINDOW = 2
+HIT_BLOCK_SIZE = 32
 
 
 def _runner(model_path: str) -> Any:
     from baton.bench.local_engine import local_engine
 
-    return local_engine(model_path, max_model_len=4096, kv_cache_gib=1.0, cpu_threads=2, max_num_seqs=16)
+    # max_logprobs -1: fidelity reads each position's distribution over the whole vocabulary.
+    # block_size 32 (CPU's default is 128): a prefix-cache hit is whole blocks, so the hit floor
+    # computes the suffix plus the memory prefix's last partial block; 32 is the smallest block the
+    # CPU attention kernel takes (multiples of 32), GPUs use 16. Both modes run on this engine.
+    return local_engine(model_path, max_model_len=4096, kv_cache_gib=1.0, cpu_threads=2, max_num_seqs=16,
+                        extra_engine_args={"max_logprobs": -1}, block_size=HIT_BLOCK_SIZE)
 
 
-async def _request(runner: Any, ids: Sequence[int], segs: Any, max_tokens: int) -> tuple[float, list[int], int]:
-    """(TTFT s, output tokens, cached prompt tokens) of one greedy request with a fresh salt."""
+async def _request(runner: Any, ids: Sequence[int], segs: Any, max_tokens: int,
+                   salt: str | None = None) -> tuple[float, list[int], int]:
+    """(TTFT s, output tokens, cached prompt tokens) of one greedy request (a fresh salt unless given)."""
     from baton.engine.types import GenerationRequest, SamplingSpec
 
     req = GenerationRequest(request_id=uuid.uuid4().hex, prompt_token_ids=tuple(ids),
-                            sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0), cache_salt=uuid.uuid4().hex)
+                            sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0), cache_salt=salt or uuid.uuid4().hex)
     t0 = time.perf_counter()
     ttft, toks, cached = None, [], 0
     async for d in runner.generate(req, injection=segs):
@@ -61,15 +75,6 @@ async def _request(runner: Any, ids: Sequence[int], segs: Any, max_tokens: int) 
         toks.extend(d.token_ids)
         cached = max(cached, d.cached_tokens)
     return ttft or (time.perf_counter() - t0), toks, cached
-
-
-def _f1(pred: str, ref: str) -> float:
-    p, r = re.findall(r"\w+", pred.lower()), re.findall(r"\w+", ref.lower())
-    common = sum((Counter(p) & Counter(r)).values())
-    if not p or not r or not common:
-        return 0.0
-    prec, rec = common / len(p), common / len(r)
-    return 2 * prec * rec / (prec + rec)
 
 
 class _Case:
@@ -96,12 +101,16 @@ async def _build_cases(runner: Any, renderer: Any, svc: Any, user: str, qas: Seq
 
 
 async def _ttft(runner: Any, cases: Sequence[_Case], reps: int) -> dict[str, Any]:
-    out: dict[str, list[float]] = {"prompt": [], "kv": []}
-    cached: dict[str, list[int]] = {"prompt": [], "kv": []}
+    out: dict[str, list[float]] = {"prompt": [], "kv": [], "hit": []}
+    cached: dict[str, list[int]] = {"prompt": [], "kv": [], "hit": []}
     for _ in range(reps):
-        for c in cases:  # interleave the modes so drift on a shared machine hits both alike
-            for mode, segs in (("prompt", None), ("kv", c.segs)):
-                t, _, n = await _request(runner, c.prompt.token_ids, segs, 1)
+        for c in cases:  # interleave the modes so drift on a shared machine hits all alike
+            for mode, segs in (("prompt", None), ("kv", c.segs), ("hit", None)):
+                salt = None
+                if mode == "hit":  # prime: the memory prefix computed once under this salt (not timed)
+                    salt = uuid.uuid4().hex
+                    await _request(runner, c.prompt.token_ids[: c.prompt.injection.end], None, 1, salt)
+                t, _, n = await _request(runner, c.prompt.token_ids, segs, 1, salt)
                 out[mode].append(t)
                 cached[mode].append(n)
     prompt_len = sum(len(c.prompt.token_ids) for c in cases) / len(cases)
@@ -125,31 +134,6 @@ async def _throughput(runner: Any, cases: Sequence[_Case], concurrency: int, max
         await asyncio.gather(*(one(c, sem, mode == "kv") for c in cases))
         wall = time.perf_counter() - t0
         res[mode] = {"requests_per_s": len(cases) / wall, "output_tok_per_s": toks / wall, "wall_s": wall}
-    return res
-
-
-async def _fidelity(runner: Any, renderer: Any, cases: Sequence[_Case], kv_cases: dict[str, Sequence[_Case]]) -> dict[str, Any]:
-    """Teacher-forced top-1 accuracy along each reference answer, per mode; F1 of greedy answers."""
-    modes: dict[str, list[tuple[_Case, Any]]] = {"prompt": [(c, None) for c in cases]}
-    for name, cs in kv_cases.items():
-        modes[name] = [(c, c.segs) for c in cs]
-    preds: dict[str, list[int]] = {m: [] for m in modes}
-    hits: dict[str, list[int]] = {m: [] for m in modes}
-    f1: dict[str, list[float]] = {m: [] for m in modes}
-    for m, items in modes.items():
-        for c, segs in items:
-            ref = renderer.text_tokens(c.answer)[:12]
-            for i in range(len(ref)):
-                _, out, _ = await _request(runner, tuple(c.prompt.token_ids) + tuple(ref[:i]), segs, 1)
-                preds[m].append(out[0] if out else -1)
-                hits[m].append(int(bool(out) and out[0] == ref[i]))
-            _, out, _ = await _request(runner, c.prompt.token_ids, segs, 24)
-            f1[m].append(_f1(renderer.decode(out) if hasattr(renderer, "decode") else "", c.answer))
-    res: dict[str, Any] = {}
-    for m in modes:
-        agree = sum(a == b for a, b in zip(preds[m], preds["prompt"], strict=True)) / max(1, len(preds[m]))
-        res[m] = {"top1_accuracy": sum(hits[m]) / max(1, len(hits[m])), "answer_f1": sum(f1[m]) / max(1, len(f1[m])),
-                  "top1_agreement_with_prompt": agree, "positions": len(hits[m])}
     return res
 
 
@@ -189,7 +173,8 @@ async def _main(quick: bool, out_dir: Path) -> dict[str, Any]:
     n_q, reps, concurrency = (10, 2, 4) if quick else (12, 2, 8)
     renderer = _Renderer(model_path)
     tmp = Path(tempfile.mkdtemp(prefix="baton-bench-memory-"))
-    svc = MemoryService(MemoryConfig(max_k=64), FactStore(tmp / "facts.sqlite3"), MiniLMEmbedder())
+    cfg = MemoryConfig(max_k=64, segment_capacity_mb=4096)  # the store holds every segment of the run
+    svc = MemoryService(cfg, FactStore(tmp / "facts.sqlite3"), MiniLMEmbedder())
     users: list[tuple[str, list[Any]]] = []
     for name in convs:
         sample = load_locomo(LOCOMO / f"{name}.json")
@@ -203,13 +188,72 @@ async def _main(quick: bool, out_dir: Path) -> dict[str, Any]:
     runner = _runner(model_path)
     print(f"[memory] engine up in {time.perf_counter() - t0:.1f}s")
     try:
-        return await _measure(runner, renderer, svc, users, quick, convs, n_q, reps, concurrency, out_dir)
+        report = await _measure(runner, renderer, svc, users, quick, convs, n_q, reps, concurrency)
+        report["service"] = await _service(runner, renderer, cfg, tmp / "facts.sqlite3", users, reps)
     finally:
         runner.shutdown()
+    report["result"] = run_result(report["by_k"], report["fidelity"], report["service"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "memory.json").write_text(json.dumps(report, indent=2))
+    _plot(report, out_dir / "memory.png")
+    print(f"[memory] wrote {out_dir / 'memory.json'} and {out_dir / 'memory.png'}")
+    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in report["result"].items()))
+    return report
+
+
+async def _service(runner: Any, renderer: Any, cfg: Any, db_path: Path, users: list[tuple[str, list[Any]]],
+                   reps: int) -> dict[str, Any]:
+    """The service path (baton/bench/memory_service.py) with the memory-store actor on a local Ray
+    head of its own (stopped afterwards, and only it)."""
+    import ray
+
+    from baton.bench import memory_service
+    from baton.bench.ray_session import stop_ray_session
+    from memory_store.deployment import MemoryStore
+
+    temp = tempfile.mkdtemp(prefix="bray-mem-", dir="/tmp")
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=temp, log_to_driver=False)
+    try:
+        store = ray.remote(num_cpus=0)(MemoryStore).remote(cfg, str(db_path))
+        questions = [memory_service.Question(user, qa.question) for user, qas in users for qa in qas]
+        return await memory_service.measure(runner, renderer, store, questions, SERVICE_KS, DEFAULT_WINDOW, reps,
+                                            SERVICE_CONCURRENCY)
+    finally:
+        ray.shutdown()
+        stop_ray_session(temp)
+
+
+def run_result(by_k: dict[str, Any], fidelity: dict[str, Any], service: dict[str, Any]) -> dict[str, float]:
+    """Pure: the RESULT line's figures, in its order, from the report's parts."""
+    def p50(k: int, mode: str) -> float:
+        return by_k[str(k)]["ttft"][mode]["p50_s"]
+
+    def fid(k: int, mode: str, key: str) -> float:
+        return fidelity[str(k)][mode][key]
+
+    kv_growth, hit_growth = p50(50, "kv") / p50(5, "kv"), p50(50, "hit") / p50(5, "hit")
+    base = fid(FIDELITY_K, "prompt", "top1_accuracy") or float("nan")
+    w = f"kv_w{DEFAULT_WINDOW}"
+    pull = {k: service[str(k)]["concurrency_1"]["pull"]["p50_s"] for k in SERVICE_KS}
+    return {
+        "kv_ttft_growth_k50_over_k5": kv_growth,
+        "hit_ttft_growth_k50_over_k5": hit_growth,
+        "kv_over_hit_growth": kv_growth / hit_growth,
+        "prompt_ttft_growth_k50_over_k5": p50(50, "prompt") / p50(5, "prompt"),
+        "ttft_speedup_k50": p50(50, "prompt") / p50(50, "kv"),
+        "top1_agreement_k50": fid(50, w, "top1_agreement_with_prompt"),
+        "kl_k50": fid(50, w, "kl_to_prompt_mean"),
+        "fidelity_ratio": fid(FIDELITY_K, w, "top1_accuracy") / base,
+        "service_ttft_growth_k50_over_k5": pull[50] / pull[5],
+        "top1_agreement_k50_w0": fid(50, "kv_w0", "top1_agreement_with_prompt"),
+        "kl_k50_w0": fid(50, "kv_w0", "kl_to_prompt_mean"),
+        "fidelity_ratio_w0": fid(FIDELITY_K, "kv_w0", "top1_accuracy") / base,
+    }
 
 
 async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, list[Any]]], quick: bool,
-                   convs: list[str], n_q: int, reps: int, concurrency: int, out_dir: Path) -> dict[str, Any]:
+                   convs: list[str], n_q: int, reps: int, concurrency: int) -> dict[str, Any]:
+    from baton.bench import memory_fidelity
     from kv_transfer.segment_stats import segment_stats
     from memory_store.resolver import SegmentResolver
 
@@ -233,67 +277,75 @@ async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, 
         load_ms = 1000 * (after.load_seconds - before.load_seconds) / max(1, after.injections - before.injections)
         by_k[k] = {"ttft": ttft, "encode_s": enc_s, "mean_load_ms": load_ms}
         print(f"[memory] k={k:>2}: prompt {ttft['mean_prompt_tokens']:.0f} tokens; TTFT p50 prompt {ttft['prompt']['p50_s'] * 1000:.0f} ms "
-              f"vs kv {ttft['kv']['p50_s'] * 1000:.0f} ms (p95 {ttft['prompt']['p95_s'] * 1000:.0f} vs {ttft['kv']['p95_s'] * 1000:.0f}); "
-              f"kv cached {ttft['kv']['mean_cached_tokens']:.0f}, load {load_ms:.0f} ms; encode {enc_s:.1f}s")
+              f"vs kv {ttft['kv']['p50_s'] * 1000:.0f} ms vs hit {ttft['hit']['p50_s'] * 1000:.0f} ms "
+              f"(p95 {ttft['prompt']['p95_s'] * 1000:.0f} / {ttft['kv']['p95_s'] * 1000:.0f} / {ttft['hit']['p95_s'] * 1000:.0f}); "
+              f"cached kv {ttft['kv']['mean_cached_tokens']:.0f}, hit {ttft['hit']['mean_cached_tokens']:.0f}; "
+              f"load {load_ms:.0f} ms; encode {enc_s:.1f}s", flush=True)
     for k in (KS[0], KS[-1]):
         by_k[k]["throughput"] = await _throughput(runner, cases_k[k], concurrency, 16)
         t = by_k[k]["throughput"]
         print(f"[memory] k={k}: throughput at concurrency {concurrency}: prompt {t['prompt']['requests_per_s']:.2f} req/s, "
-              f"kv {t['kv']['requests_per_s']:.2f} req/s")
-    w0 = []
-    for user, qas in users:
-        cs, _ = await _build_cases(runner, renderer, svc, user, qas, FIDELITY_K, 0, resolver)
-        w0 += cs
-    fidelity = await _fidelity(runner, renderer, cases_k[FIDELITY_K], {f"kv_w{DEFAULT_WINDOW}": cases_k[FIDELITY_K], "kv_w0": w0})
-    for m, f in fidelity.items():
-        print(f"[memory] fidelity {m:>7}: top-1 along reference {f['top1_accuracy']:.3f} ({f['positions']} positions), "
-              f"answer F1 {f['answer_f1']:.3f}, top-1 agreement with prompt {f['top1_agreement_with_prompt']:.3f}")
-
-    kv5, kv50 = by_k[5]["ttft"]["kv"]["p50_s"], by_k[50]["ttft"]["kv"]["p50_s"]
-    pr5, pr50 = by_k[5]["ttft"]["prompt"]["p50_s"], by_k[50]["ttft"]["prompt"]["p50_s"]
-    base = fidelity["prompt"]["top1_accuracy"] or float("nan")
-    result = {
-        "kv_ttft_growth_k50_over_k5": kv50 / kv5,
-        "prompt_ttft_growth_k50_over_k5": pr50 / pr5,
-        "ttft_speedup_k50": pr50 / kv50,
-        "fidelity_ratio": fidelity[f"kv_w{DEFAULT_WINDOW}"]["top1_accuracy"] / base,
-        "fidelity_ratio_w0": fidelity["kv_w0"]["top1_accuracy"] / base,
-    }
-    report = {"quick": quick, "conversations": convs, "questions_per_conversation": n_q, "reps": reps,
-              "window": DEFAULT_WINDOW, "by_k": {str(k): v for k, v in by_k.items()}, "fidelity_k": FIDELITY_K,
-              "fidelity": fidelity, "result": result}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "memory.json").write_text(json.dumps(report, indent=2))
-    _plot(by_k, fidelity, out_dir / "memory.png")
-    print(f"[memory] wrote {out_dir / 'memory.json'} and {out_dir / 'memory.png'}")
-    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))
-    return report
+              f"kv {t['kv']['requests_per_s']:.2f} req/s", flush=True)
+    fidelity: dict[str, Any] = {}
+    for k in FIDELITY_KS:
+        w0: list[_Case] = []
+        for user, qas in users:
+            cs, _ = await _build_cases(runner, renderer, svc, user, qas, k, 0, resolver)
+            w0 += cs
+        scores = await memory_fidelity.measure(runner, renderer, {"prompt": cases_k[k], f"kv_w{DEFAULT_WINDOW}": cases_k[k],
+                                                                  "kv_w0": w0}, with_f1=k == FIDELITY_K)
+        fidelity[str(k)] = {m: f.as_json() for m, f in scores.items()}
+        for m, f in scores.items():
+            f1 = f" answer F1 {f.answer_f1:.3f}," if f.answer_f1 is not None else ""
+            print(f"[memory] fidelity k={k} {m:>7}: top-1 agreement with prompt {f.top1_agreement_with_prompt:.3f}, "
+                  f"KL {f.kl_to_prompt_mean:.4f} nats (p95 {f.kl_to_prompt_p95:.4f}),{f1} top-1 along reference "
+                  f"{f.top1_accuracy:.3f} ({f.positions} positions)", flush=True)
+    return {"quick": quick, "conversations": convs, "questions_per_conversation": n_q, "reps": reps,
+            "window": DEFAULT_WINDOW, "by_k": {str(k): v for k, v in by_k.items()}, "fidelity_k": FIDELITY_K,
+            "fidelity": fidelity}
 
 
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     return asyncio.run(_main(quick, out_dir))
 
 
-def _plot(by_k: dict[int, Any], fidelity: dict[str, Any], path: Path) -> None:
+def _plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    ks = sorted(by_k)
-    for mode, style in (("prompt", "o-"), ("kv", "s-")):
-        p50 = [by_k[k]["ttft"][mode]["p50_s"] * 1000 for k in ks]
-        p95 = [by_k[k]["ttft"][mode]["p95_s"] * 1000 for k in ks]
-        axes[0].plot(ks, p50, style, label=f"{mode} injection p50")
+    by_k, fidelity, service = report["by_k"], report["fidelity"], report["service"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    ks = sorted(int(k) for k in by_k)
+    for mode, style in (("prompt", "o-"), ("kv", "s-"), ("hit", "^-")):
+        p50 = [by_k[str(k)]["ttft"][mode]["p50_s"] * 1000 for k in ks]
+        p95 = [by_k[str(k)]["ttft"][mode]["p95_s"] * 1000 for k in ks]
+        axes[0].plot(ks, p50, style, label=f"{mode} p50")
         axes[0].fill_between(ks, p50, p95, alpha=0.15)
     axes[0].set_xlabel("memories recalled (k)")
-    axes[0].set_ylabel("TTFT (ms)")
-    axes[0].set_title("TTFT vs k (band: p50..p95)")
+    axes[0].set_ylabel("engine TTFT (ms)")
+    axes[0].set_yscale("log")
+    axes[0].set_title("engine TTFT vs k (band: p50..p95)")
     axes[0].legend()
-    names = list(fidelity)
-    axes[1].bar(names, [fidelity[n]["top1_accuracy"] for n in names])
-    axes[1].set_title(f"top-1 accuracy along reference answers (k={FIDELITY_K})")
+    sks = sorted(int(k) for k in service)
+    for tier, style in (("warm", "s-"), ("pull", "o-"), ("encode", "^-")):
+        axes[1].plot(sks, [service[str(k)]["concurrency_1"][tier]["p50_s"] * 1000 for k in sks], style, label=f"{tier} (c=1)")
+    loaded = next(c for c in service[str(sks[0])] if c != "concurrency_1")
+    axes[1].plot(sks, [service[str(k)][loaded]["warm"]["p50_s"] * 1000 for k in sks], "s--", label=f"warm ({loaded})")
+    axes[1].set_xlabel("memories recalled (k)")
+    axes[1].set_ylabel("service TTFT p50 (ms)")
+    axes[1].set_title("question text -> first token")
+    axes[1].legend()
+    fks = sorted(fidelity, key=int)
+    modes = list(fidelity[fks[0]])
+    width = 0.8 / len(fks)
+    for i, k in enumerate(fks):
+        axes[2].bar([j + i * width for j in range(len(modes))], [fidelity[k][m]["top1_agreement_with_prompt"] for m in modes],
+                    width, label=f"k={k}")
+    axes[2].set_xticks([j + width / 2 for j in range(len(modes))], modes)
+    axes[2].set_title("top-1 agreement with prompt injection")
+    axes[2].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

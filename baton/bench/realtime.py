@@ -455,7 +455,7 @@ async def _aimd(runner: Any, wl: Workload, preamble: tuple[int, ...], chunks: li
     # window and min_samples sized so that even a cap of 1 (one tick per P) can be evaluated; a cut sheds the newest live sessions
     cfg = AdmissionConfig(target_p99_ms=wl.target_p99_ms, initial_cap=wl.aimd_low, max_cap=2 * wl.aimd_high,
                           control_period_s=wl.period_s, window_s=6 * wl.period_s, min_samples=5, retry_after_s=wl.period_s,
-                          overload="shed")
+                          overload="shed", cooldown_periods=2)  # a shed bites at the next tick (<= P), queued ticks drain ~target after
     ctl = AIMDController(cfg, now=0.0)
     phase = _Phase(runner, "bounded", wl, preamble, controller=ctl)
     schedule = step_schedule(wl.aimd_low, wl.aimd_high, wl.aimd_s)

@@ -19,6 +19,7 @@ def delta_from_output(out: Any) -> GenerationDelta:
         finish_reason=comp.finish_reason if comp else None,
         kv_transfer_params=getattr(out, "kv_transfer_params", None),
         logprobs=sampled_logprobs(comp),
+        top_logprobs=top_logprobs(comp),
     )
 
 
@@ -27,6 +28,13 @@ def sampled_logprobs(comp: Any) -> tuple[float, ...]:
     if comp is None or not comp.logprobs:
         return ()
     return tuple(float(pos[tok].logprob) for tok, pos in zip(comp.token_ids, comp.logprobs, strict=False))
+
+
+def top_logprobs(comp: Any) -> tuple[dict[int, float], ...]:
+    """Each position's {token: logprob} as vLLM lists it (the sampled token and the N most likely)."""
+    if comp is None or not comp.logprobs:
+        return ()
+    return tuple({int(t): float(lp.logprob) for t, lp in pos.items()} for pos in comp.logprobs)
 
 
 def coalesce(item: Any, pending: asyncio.Queue) -> Any:
@@ -48,6 +56,7 @@ def coalesce(item: Any, pending: asyncio.Queue) -> Any:
             kv_transfer_params=nxt.kv_transfer_params or item.kv_transfer_params,
             replica=item.replica or nxt.replica,
             logprobs=item.logprobs + nxt.logprobs,
+            top_logprobs=item.top_logprobs + nxt.top_logprobs,
             timing=item.timing or nxt.timing,
         )
     return item

@@ -38,7 +38,7 @@ def sampling_params(req: GenerationRequest, kv_transfer_params: dict[str, Any] |
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         ignore_eos=s.ignore_eos,
-        logprobs=0 if s.logprobs else None,
+        logprobs=s.top_logprobs if s.top_logprobs else (0 if s.logprobs else None),
         output_kind=RequestOutputKind.DELTA,
         extra_args=extra,
         structured_outputs=structured,

@@ -35,6 +35,9 @@ class SamplingSpec:
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
     logprobs: bool = False  # report each sampled token's logprob (GenerationDelta.logprobs)
+    # report the most likely tokens at each sampled position (GenerationDelta.top_logprobs): 0 none,
+    # N > 0 the N most likely, -1 the whole vocabulary (the engine's max_logprobs must allow it)
+    top_logprobs: int = 0
     constraint: OutputConstraint | None = None  # guided decoding (None: free text)
     skip_special_tokens: bool = True  # False keeps special tokens in the text (tool-call tags that are special tokens)
 
@@ -87,6 +90,8 @@ class GenerationDelta:
     kv_transfer_params: dict[str, Any] | None = None
     replica: str | None = None  # set on a request's first delta by the replica that serves it
     logprobs: tuple[float, ...] = ()  # per token in token_ids, when SamplingSpec.logprobs
+    # per token in token_ids, when SamplingSpec.top_logprobs: {token id: logprob} of the most likely tokens
+    top_logprobs: tuple[dict[int, float], ...] = field(default=(), compare=False)
     turn_index: int | None = None  # the turn's index in its conversation (first delta; set by the ingress)
     # the KV a capture request asked for (finished delta only; EngineRunner.generate(capture=...)).
     # Capture requests are made inside the replica: deltas sent to the ingress never carry one.

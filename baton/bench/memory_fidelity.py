@@ -1,0 +1,139 @@
+"""Fidelity of KV injection for `baton bench memory`: how close injected memories come to computing
+the same tokens in the prompt.
+
+At each position of a reference answer (teacher forcing: the prompt plus the reference's first i
+tokens), every mode's next-token distribution is read from the engine over the whole vocabulary
+(SamplingSpec.top_logprobs = -1). Per mode, against prompt injection (every token computed, the
+reference):
+- top-1 agreement: the share of positions where the mode's most likely token is prompt mode's;
+- KL(prompt || mode), mean over positions, in nats (0 when the distributions are the same);
+- top-1 accuracy along the reference (the share of reference tokens predicted as the top token);
+and, at the headline k only, token-F1 of greedy answers against the reference.
+One cache salt per (question, mode): the requests of one answer share the prompt's prefix as a
+plain prefix-cache hit; no mode reads another mode's cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import uuid
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+ANSWER_POSITIONS = 12  # reference tokens scored per question
+
+
+def kl_divergence(p: Mapping[int, float], q: Mapping[int, float]) -> float:
+    """KL(P || Q) in nats from two distributions given as {token: logprob} over the same vocabulary.
+    P's support must be within Q's (a token P gives mass that Q does not list makes it undefined)."""
+    missing = [t for t, lp in p.items() if lp > -math.inf and t not in q]
+    if missing:
+        raise ValueError(f"{len(missing)} tokens of P are not in Q (e.g. {missing[0]}): not over the same vocabulary")
+    total = 0.0
+    for t, lp in p.items():
+        if lp == -math.inf:
+            continue
+        lq = q[t]
+        if lq == -math.inf:
+            return math.inf
+        total += math.exp(lp) * (lp - lq)
+    return max(0.0, total)  # rounding can leave a tiny negative
+
+
+def top1(dist: Mapping[int, float]) -> int:
+    return max(dist, key=lambda t: (dist[t], -t))
+
+
+def f1(pred: str, ref: str) -> float:
+    """Token-F1 of a generated answer against the reference (words, case-folded)."""
+    p, r = re.findall(r"\w+", pred.lower()), re.findall(r"\w+", ref.lower())
+    common = sum((Counter(p) & Counter(r)).values())
+    if not p or not r or not common:
+        return 0.0
+    prec, rec = common / len(p), common / len(r)
+    return 2 * prec * rec / (prec + rec)
+
+
+@dataclass(frozen=True)
+class ModeScore:
+    positions: int
+    top1_accuracy: float
+    top1_agreement_with_prompt: float
+    kl_to_prompt_mean: float
+    kl_to_prompt_p95: float
+    answer_f1: float | None
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def score_modes(dists: Mapping[str, Sequence[Mapping[int, float]]], refs: Sequence[int],
+                f1s: Mapping[str, Sequence[float]] | None = None) -> dict[str, ModeScore]:
+    """Pure: per mode, its distributions at the same positions as dists["prompt"] (refs: the
+    reference token at each position)."""
+    base = dists["prompt"]
+    out = {}
+    for mode, ds in dists.items():
+        if len(ds) != len(base) or len(refs) != len(base):
+            raise ValueError(f"mode {mode} has {len(ds)} positions, prompt {len(base)}, refs {len(refs)}")
+        kls = sorted(kl_divergence(b, d) for b, d in zip(base, ds, strict=True))
+        n = max(1, len(ds))
+        out[mode] = ModeScore(
+            positions=len(ds),
+            top1_accuracy=sum(top1(d) == r for d, r in zip(ds, refs, strict=True)) / n,
+            top1_agreement_with_prompt=sum(top1(d) == top1(b) for d, b in zip(ds, base, strict=True)) / n,
+            kl_to_prompt_mean=sum(kls) / n,
+            kl_to_prompt_p95=kls[max(0, math.ceil(0.95 * len(kls)) - 1)] if kls else float("nan"),
+            answer_f1=(sum(f1s[mode]) / max(1, len(f1s[mode]))) if f1s and mode in f1s else None,
+        )
+    return out
+
+
+async def _distribution(runner: Any, ids: Sequence[int], segs: Any, salt: str) -> dict[int, float]:
+    from baton.engine.types import GenerationRequest, SamplingSpec
+
+    req = GenerationRequest(request_id=uuid.uuid4().hex, prompt_token_ids=tuple(ids),
+                            sampling=SamplingSpec(max_tokens=1, temperature=0.0, top_logprobs=-1), cache_salt=salt)
+    dist: dict[int, float] = {}
+    async for d in runner.generate(req, injection=segs):
+        if d.top_logprobs:
+            dist = d.top_logprobs[0]
+    if not dist:
+        raise RuntimeError("the engine returned no logprobs (is max_logprobs = -1 set?)")
+    return dist
+
+
+async def _answer(runner: Any, ids: Sequence[int], segs: Any, max_tokens: int) -> list[int]:
+    from baton.engine.types import GenerationRequest, SamplingSpec
+
+    req = GenerationRequest(request_id=uuid.uuid4().hex, prompt_token_ids=tuple(ids),
+                            sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0), cache_salt=uuid.uuid4().hex)
+    out: list[int] = []
+    async for d in runner.generate(req, injection=segs):
+        out.extend(d.token_ids)
+    return out
+
+
+async def measure(runner: Any, renderer: Any, modes: Mapping[str, Sequence[Any]], with_f1: bool) -> dict[str, ModeScore]:
+    """modes: name -> cases (each with .prompt.token_ids, .segs, .answer); "prompt" is the reference
+    and its cases' segments are not used. All modes' cases are the same questions in the same order."""
+    dists: dict[str, list[dict[int, float]]] = {m: [] for m in modes}
+    f1s: dict[str, list[float]] = {m: [] for m in modes}
+    refs: list[int] = []
+    n = len(modes["prompt"])
+    for i in range(n):
+        ref = renderer.text_tokens(modes["prompt"][i].answer)[:ANSWER_POSITIONS]
+        refs += ref
+        for m, cases in modes.items():
+            c = cases[i]
+            segs = None if m == "prompt" else c.segs
+            salt = uuid.uuid4().hex
+            for j in range(len(ref)):
+                dists[m].append(await _distribution(runner, tuple(c.prompt.token_ids) + tuple(ref[:j]), segs, salt))
+            if with_f1:
+                out = await _answer(runner, c.prompt.token_ids, segs, 24)
+                f1s[m].append(f1(renderer.decode(out), c.answer))
+    return score_modes(dists, refs, f1s if with_f1 else None)

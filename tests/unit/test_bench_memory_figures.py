@@ -1,0 +1,101 @@
+"""The figures of `baton bench memory` (pure parts): KL and top-1 scoring of the fidelity study,
+the service path's summaries, and the RESULT line built from a report."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from baton.bench import memory, memory_fidelity, memory_service
+from baton.bench.memory_fidelity import kl_divergence, score_modes
+
+
+def _dist(probs: dict[int, float]) -> dict[int, float]:
+    return {t: (math.log(p) if p > 0 else -math.inf) for t, p in probs.items()}
+
+
+def test_kl_is_zero_for_the_same_distribution_and_positive_otherwise():
+    p = _dist({0: 0.7, 1: 0.2, 2: 0.1})
+    assert kl_divergence(p, p) == pytest.approx(0.0, abs=1e-12)
+    q = _dist({0: 0.2, 1: 0.7, 2: 0.1})
+    expected = 0.7 * math.log(0.7 / 0.2) + 0.2 * math.log(0.2 / 0.7)
+    assert kl_divergence(p, q) == pytest.approx(expected)
+    assert kl_divergence(p, q) > 0
+
+
+def test_kl_ignores_zero_mass_of_p_and_is_infinite_where_q_has_none():
+    p = _dist({0: 1.0, 1: 0.0})
+    assert kl_divergence(p, _dist({0: 0.5, 1: 0.5})) == pytest.approx(math.log(2))
+    assert kl_divergence(_dist({0: 0.5, 1: 0.5}), _dist({0: 1.0, 1: 0.0})) == math.inf
+
+
+def test_kl_refuses_distributions_over_different_vocabularies():
+    with pytest.raises(ValueError, match="same vocabulary"):
+        kl_divergence(_dist({0: 0.5, 1: 0.5}), _dist({0: 1.0}))
+
+
+def test_score_modes_counts_agreement_accuracy_and_kl_per_position():
+    a, b = _dist({0: 0.9, 1: 0.1}), _dist({0: 0.1, 1: 0.9})
+    scores = score_modes({"prompt": [a, a, b], "kv": [a, b, b]}, refs=[0, 0, 0], f1s={"prompt": [1.0], "kv": [0.5]})
+    assert scores["prompt"].top1_agreement_with_prompt == 1.0
+    assert scores["prompt"].kl_to_prompt_mean == pytest.approx(0.0, abs=1e-12)
+    kv = scores["kv"]
+    assert kv.top1_agreement_with_prompt == pytest.approx(2 / 3)
+    assert kv.top1_accuracy == pytest.approx(1 / 3)  # only the first position predicts the reference 0
+    assert kv.kl_to_prompt_mean == pytest.approx(kl_divergence(a, b) / 3)
+    assert kv.kl_to_prompt_p95 == pytest.approx(kl_divergence(a, b))
+    assert kv.answer_f1 == 0.5 and kv.positions == 3
+
+
+def test_score_modes_refuses_modes_scored_at_different_positions():
+    a = _dist({0: 1.0})
+    with pytest.raises(ValueError, match="positions"):
+        score_modes({"prompt": [a, a], "kv": [a]}, refs=[0, 0])
+
+
+def test_f1_of_answers():
+    assert memory_fidelity.f1("Biscuit the dog", "biscuit") == pytest.approx(0.5)
+    assert memory_fidelity.f1("", "biscuit") == 0.0
+
+
+def test_service_summary_reports_stages_and_rate():
+    rows = [memory_service.Timed(0.1 * i, 0.01, 0.001, 0.02 * i, 0.05, 100) for i in range(1, 11)]
+    s = memory_service.summarize(rows, wall_s=2.0)
+    assert s["n"] == 10 and s["requests_per_s"] == 5.0
+    assert s["p50_s"] <= s["p95_s"]
+    assert s["recall_p50_s"] == pytest.approx(0.01) and s["mean_injected_tokens"] == 100
+
+
+def _report(kv50: float = 0.2, hit50: float = 0.1) -> tuple[dict, dict, dict]:
+    def ttft(prompt: float, kv: float, hit: float) -> dict:
+        return {"ttft": {"prompt": {"p50_s": prompt}, "kv": {"p50_s": kv}, "hit": {"p50_s": hit}}}
+
+    by_k = {"5": ttft(0.2, 0.1, 0.05), "50": ttft(2.0, kv50, hit50)}
+
+    def modes(agree: float, kl: float, acc: float) -> dict:
+        return {"prompt": {"top1_accuracy": 0.5, "top1_agreement_with_prompt": 1.0, "kl_to_prompt_mean": 0.0},
+                "kv_w2": {"top1_accuracy": acc, "top1_agreement_with_prompt": agree, "kl_to_prompt_mean": kl},
+                "kv_w0": {"top1_accuracy": acc / 2, "top1_agreement_with_prompt": agree / 2, "kl_to_prompt_mean": 2 * kl}}
+
+    fidelity = {"10": modes(0.95, 0.05, 0.45), "50": modes(0.9, 0.1, 0.4)}
+    service = {k: {"concurrency_1": {"pull": {"p50_s": v}}} for k, v in (("5", 0.3), ("50", 0.6))}
+    return by_k, fidelity, service
+
+
+def test_result_line_from_a_report():
+    r = memory.run_result(*_report())
+    assert list(r)[:9] == ["kv_ttft_growth_k50_over_k5", "hit_ttft_growth_k50_over_k5", "kv_over_hit_growth",
+                           "prompt_ttft_growth_k50_over_k5", "ttft_speedup_k50", "top1_agreement_k50", "kl_k50",
+                           "fidelity_ratio", "service_ttft_growth_k50_over_k5"]
+    assert r["kv_ttft_growth_k50_over_k5"] == pytest.approx(2.0)
+    assert r["hit_ttft_growth_k50_over_k5"] == pytest.approx(2.0)
+    assert r["kv_over_hit_growth"] == pytest.approx(1.0)
+    assert r["ttft_speedup_k50"] == pytest.approx(10.0)
+    assert r["top1_agreement_k50"] == 0.9 and r["kl_k50"] == 0.1 and r["kl_k50_w0"] == 0.2
+    assert r["fidelity_ratio"] == pytest.approx(0.9)  # at k = 10: 0.45 / 0.5
+    assert r["service_ttft_growth_k50_over_k5"] == pytest.approx(2.0)
+
+
+def test_result_fails_when_injection_grows_faster_than_a_cache_hit():
+    r = memory.run_result(*_report(kv50=0.4, hit50=0.1))
+    assert r["kv_over_hit_growth"] == pytest.approx(2.0)  # 4x against 2x
