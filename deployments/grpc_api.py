@@ -39,7 +39,7 @@ from deployments.grpc_mapping import (
 )
 from deployments.grpc_realtime import FrameSocket, frame, run_session
 from deployments.grpc_status import StatusContext, caller_of, error_status, metadata_text
-from deployments.memory_api import USER_HEADER
+from deployments.memory_api import USER_HEADER, memory_headers
 from deployments.protocol import ChatCompletionRequest, CompletionRequest
 from deployments.realtime_api import RealtimeFrontend
 from deployments.request_body import too_large, validate_body
@@ -87,6 +87,7 @@ class GrpcFrontend:
             ready = await self._ready(request, context, method, endpoint, stream=False)
             reply = await self._chat.respond_chunks(ready)
             assert reply.body is not None
+            _memory_trailers(ready, context)
             build = response_message if endpoint == "chat" else completion_message
             return build(reply.body, reply.replica, ready.session_id)
         except APIError as e:
@@ -109,6 +110,7 @@ class GrpcFrontend:
             yield self._failed(failure, context, message)
             return
         assert reply.events is not None
+        _memory_trailers(ready, context)  # a failure later in the stream replaces them with its status
         replica = reply.replica
         try:
             async for c in reply.events:
@@ -161,3 +163,11 @@ class GrpcFrontend:
         realtime = self._realtime
         async for f in run_session(lambda ws: realtime.serve(ws, caller.user), FrameSocket(requests, headers), context):
             yield f
+
+
+def _memory_trailers(ready: Ready, context: StatusContext) -> None:
+    """A reply that asked for memories names them as HTTP does (x-baton-memories, x-baton-memory-mode),
+    in trailing metadata, which Serve's gRPC proxy hands on with the status (see the module docstring)."""
+    headers = memory_headers(ready.memory)
+    if headers:
+        context.set_trailing_metadata(list(headers.items()))
