@@ -2,6 +2,7 @@
 `engine.kind: simulated`) behind a Serve deployment."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -80,8 +81,10 @@ class EngineReplica:
                 first = False
             yield delta
 
-    async def _memory_segments(self, request: GenerationRequest) -> tuple[Any, ...] | None:
-        """KV segments for the request's memory facts, or None to compute them from the prompt."""
+    async def _memory_segments(self, request: GenerationRequest) -> Any:
+        """KV for the request's memory facts, or None to compute them from the prompt: prepared
+        for the engine (rotated to their positions and cast, in a thread: kv_transfer/prepared.py),
+        or the plain segments when that is off or fails (the engine thread then rotates them)."""
         if request.memory is None:
             return None
         if self._resolver is None:
@@ -94,7 +97,7 @@ class EngineReplica:
             self._memory_counter.inc(tags={"outcome": "recomputed"})
             return None
         self._memory_counter.inc(tags={"outcome": "injected"})
-        return segs
+        return await _prepared(request.request_id, segs)
 
     async def encode_memories(self, prompt_token_ids: tuple[int, ...], memory: Any) -> int:
         """Precompute the KV of `memory`'s facts (and anchor) that no cache holds; returns how many
@@ -172,6 +175,18 @@ class EngineReplica:
         runner = getattr(self, "_runner", None)
         if runner is not None:
             runner.shutdown()
+
+
+async def _prepared(request_id: str, segs: tuple[Any, ...]) -> Any:
+    """The segments rotated and cast off the event loop and off the engine thread, or the segments
+    themselves when preparing fails (the engine thread rotates them at load time, as before)."""
+    from kv_transfer.segment_worker import prepare_injection
+
+    try:
+        return await asyncio.to_thread(prepare_injection, segs)
+    except Exception as e:  # noqa: BLE001 - the old path still serves the request
+        logger.warning("preparing memory KV for %s failed (%s: %s); the engine rotates it", request_id, type(e).__name__, e)
+        return segs
 
 
 def cores_for_this_replica(pool: str, spec: EngineSpec) -> tuple[EngineSpec, CoreClaim | None]:

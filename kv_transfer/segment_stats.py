@@ -10,8 +10,9 @@ is rebuilt in the same process adds to the totals, it does not reset them).
 
 No vLLM or torch import: the replica and the benchmarks read `segment_stats()` cheaply.
 
-Invariants (checked by SegmentStats): every count is non-negative, and a load lays at least one
-token, so injected_tokens >= injections.
+Invariants (checked by SegmentStats): every count is non-negative, a load lays at least one
+token, so injected_tokens >= injections, and prepared_loads counts a kind of load, so
+prepared_loads <= injections.
 """
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ class SegmentStats:
     injections: int = 0  # loads that laid segments into the paged cache
     injected_tokens: int = 0  # prompt positions those loads supplied
     load_seconds: float = 0.0  # time spent laying segments into the paged cache
+    # loads whose KV came rotated and cast from the pull path (kv_transfer/prepared.py); the other
+    # injections were rotated and cast on the engine thread
+    prepared_loads: int = 0
     load_failures: int = 0  # loads that raised (their blocks were recomputed)
     unavailable: int = 0  # asked to inject, but the segments were missing or did not match
     captures: int = 0  # captures handed back to their submitter
@@ -37,6 +41,8 @@ class SegmentStats:
             raise ValueError(f"segment counters cannot be negative: {negative}")
         if self.injected_tokens < self.injections:
             raise ValueError(f"{self.injections} injections but only {self.injected_tokens} injected tokens")
+        if self.prepared_loads > self.injections:
+            raise ValueError(f"{self.prepared_loads} prepared loads but only {self.injections} injections")
 
     def __add__(self, other: SegmentStats) -> SegmentStats:
         return SegmentStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
@@ -62,10 +68,11 @@ class SegmentCounters:
         with self._lock:
             self._stats = self._stats + SegmentStats(**delta)
 
-    def injected(self, tokens: int, seconds: float) -> None:
+    def injected(self, tokens: int, seconds: float, prepared: bool = False) -> None:
+        """A load laid `tokens` positions in `seconds`; prepared: from KV rotated in the pull path."""
         if tokens <= 0:
             raise ValueError(f"an injection lays at least one token, got {tokens}")
-        self._add(injections=1, injected_tokens=tokens, load_seconds=seconds)
+        self._add(injections=1, injected_tokens=tokens, load_seconds=seconds, prepared_loads=int(prepared))
 
     def load_failed(self) -> None:
         self._add(load_failures=1)

@@ -1,8 +1,11 @@
 """The segment connector's worker side: lays segments into the paged KV cache and reads captures
 out of it, as each step's SegmentConnectorMetadata says (kv_transfer/segment_connector.py).
 
-A load re-rotates the offered pre-RoPE keys to their prompt positions and writes them with the
-attention backend's own cache write; a load that raises marks its blocks as failed, and with
+A load writes the offered KV with the attention backend's own cache write. When the submitter
+offered a PreparedInjection (kv_transfer/prepared.py: keys rotated to their prompt positions and
+cast in the pull path, by `prepare` in another thread), the engine thread only slices the load's
+range and writes it; plain segments are copied into staging, re-rotated and cast here, on the
+engine thread. A load that raises marks its blocks as failed, and with
 kv_load_failure_policy="recompute" vLLM recomputes them (the request still succeeds). A capture
 reads the KV of its ranges after the step that completes the prompt, removes RoPE, and puts the
 segments (or the error) under its key in the process SegmentTable.
@@ -15,16 +18,19 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kv_transfer.paged_kv import PagedLayout, layer_writer, learn_layout, read_tokens
+from kv_transfer.prepared import PreparedInjection, prepare
 from kv_transfer.rope import RopeSpec, Rotator, UnsupportedRope, remove_rope, rope_from_model, rope_from_vllm_config
 from kv_transfer.segment_meta import SegmentCapture, SegmentConnectorMetadata, SegmentLoad
 from kv_transfer.segment_stats import SegmentCounters, new_counters
-from kv_transfer.segments import CaptureResult, KVSegment, SegmentTable, process_segments
+from kv_transfer.segments import CaptureResult, Injection, KVSegment, SegmentTable, process_segments
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,7 +76,8 @@ class SegmentWorker:
         self._max_positions = max_positions
         self._table = table if table is not None else process_segments()
         self.counters = counters if counters is not None else new_counters()
-        self._rotator: Rotator | None = None  # built on the first load
+        self._rotator: Rotator | None = None  # built on first use (a load, or a prepare in another thread)
+        self._rotator_lock = threading.Lock()
         self._staging = _Staging()
         self._layers: list[Any] | None = None
         self._layout: PagedLayout | None = None
@@ -104,16 +111,32 @@ class SegmentWorker:
         try:
             found = rope_from_model(model)
         except UnsupportedRope as e:
-            self._rope, self._rotator = None, None
+            with self._rotator_lock:
+                self._rope, self._rotator = None, None
             return f"KV injection and capture off: {e}"
         agreed = self._rope is not None and self._rope.same_rotation(found)
-        self._rope, self._rotator = found, None
+        with self._rotator_lock:
+            self._rope, self._rotator = found, None
         return f"rope from the model: {found.source}" + ("" if agreed else " (replaces the config's)")
 
     def _spec(self) -> RopeSpec:
         if self._rope is None:
             raise RuntimeError("this model's RoPE cannot be re-rotated: KV injection and capture are off")
         return self._rope
+
+    def _rotator_for_use(self) -> Rotator:
+        """The Rotator of the current rope, built once; the engine thread and preparing threads share it
+        (it holds only the read-only table)."""
+        with self._rotator_lock:
+            if self._rotator is None:
+                self._rotator = Rotator(self._spec(), self._max_positions)
+            return self._rotator
+
+    def prepare(self, segments: Sequence[KVSegment]) -> PreparedInjection:
+        """The segments' KV rotated to positions 0..end-1 and cast to the engine's dtype, for a
+        request not yet submitted. Safe in any thread, concurrently with loads: it allocates its
+        own tensors (never the staging buffers the engine thread loads through)."""
+        return prepare(segments, self._rotator_for_use(), self._dtype)
 
     def _attention_layers(self, forward_context: ForwardContext) -> list[Any]:
         if self._layers is None:
@@ -147,17 +170,38 @@ class SegmentWorker:
         first = inj.segments[0]
         if first.keys.shape[0] != len(layers):
             raise RuntimeError(f"segments have {first.keys.shape[0]} layers, the model {len(layers)}")
-        if self._rotator is None:
-            self._rotator = Rotator(self._spec(), self._max_positions)
+        slots = torch.tensor(load.slots, dtype=torch.long)
+        prepared = self._usable(inj.prepared, load.key)
+        if prepared is not None:  # rotated and cast in the pull path: slice and write
+            for i, layer in enumerate(layers):
+                keys, values = prepared.layer_range(i, load.start, load.end)
+                layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
+        else:
+            self._rotate_and_write(inj, load, layers, slots)
+        self.counters.injected(load.end - load.start, time.perf_counter() - t0, prepared=prepared is not None)
+
+    def _usable(self, prepared: PreparedInjection | None, key: str) -> PreparedInjection | None:
+        """The prepared KV when it was made for this engine (its rotation and dtype), else None: the
+        load then rotates the segments here (the old path), which is always right."""
+        if prepared is None:
+            return None
+        if prepared.rope is not self._rope or prepared.dtype != self._dtype:
+            logger.warning("prepared KV for %s is for another rotation or dtype (%s); rotating it on the engine thread",
+                           key, prepared.dtype)
+            return None
+        return prepared
+
+    def _rotate_and_write(self, inj: Injection, load: SegmentLoad, layers: list[Any], slots: torch.Tensor) -> None:
+        """The engine-thread path: copy the range into staging, rotate it to its positions, cast."""
+        first = inj.segments[0]
+        rotator = self._rotator_for_use()
         n = load.end - load.start
         keys, keys16, values = self._staging.views(len(layers), n, first.keys.shape[2], first.keys.shape[3], self._dtype)
         inj.copy_range(load.start, load.end, keys, values)
-        self._rotator.apply_(keys, torch.arange(load.start, load.end))
+        rotator.apply_(keys, torch.arange(load.start, load.end))
         keys16.copy_(keys)
-        slots = torch.tensor(load.slots, dtype=torch.long)
         for i, layer in enumerate(layers):
             layer.impl.do_kv_cache_update(layer, keys16[i], values[i], layer.kv_cache, slots)
-        self.counters.injected(n, time.perf_counter() - t0)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -202,6 +246,19 @@ def process_segment_worker() -> SegmentWorker | None:
         if isinstance(worker, SegmentWorker):
             return worker
     return None
+
+
+def prepare_injection(segments: Sequence[KVSegment]) -> PreparedInjection | tuple[KVSegment, ...]:
+    """For the submitter, before `EngineRunner.generate` (any thread but the engine's): the
+    segments prepared by this process's segment worker, or the segments themselves when this
+    process has no segment worker or its rotation is off (the engine then loads them as before,
+    or recomputes). Raises what `SegmentWorker.prepare` raises; the caller falls back to the
+    plain segments."""
+    segs = tuple(segments)
+    worker = process_segment_worker()
+    if worker is None or worker.rope is None or not segs:
+        return segs
+    return worker.prepare(segs)
 
 
 def bind_model_rope(model: Any) -> str | None:

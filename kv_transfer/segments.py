@@ -9,7 +9,8 @@ The engine runs in the replica's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one 
 connector's scheduler half, its worker half and the code that submits requests share this
 process. They meet in `SegmentTable`, keyed by a key the submitter puts in the request's
 kv_transfer_params (not the request id, which vLLM rewrites):
-- `offer(key, segments)` before submitting a request that injects them;
+- `offer(key, segments)` before submitting a request that injects them (the segments, or a
+  PreparedInjection of them whose keys are already rotated and cast: kv_transfer/prepared.py);
 - the connector reads them (`injection(key)`), and writes captures (`put_capture`);
 - the submitter takes captures (`take_capture`) and `discard`s its key when the request ends.
 Invariant: a key is present only between offer/put and take/discard; nothing outlives its request.
@@ -19,9 +20,14 @@ The table holds segments only: each connector side counts its own work
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kv_transfer.prepared import PreparedInjection
 
 
 @dataclass(frozen=True)
@@ -54,12 +60,20 @@ class KVSegment:
 
 @dataclass(frozen=True)
 class Injection:
-    """Segments laid end to end from position 0: they supply the KV of prompt positions [0, end)."""
+    """Segments laid end to end from position 0: they supply the KV of prompt positions [0, end).
+
+    prepared: the same segments with their KV already rotated and cast (None: the engine thread
+    rotates them at load time). Invariant: a prepared injection is of exactly these segments."""
 
     segments: tuple[KVSegment, ...]
+    prepared: PreparedInjection | None = None
     token_ids: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
+        p = self.prepared
+        if p is not None and (len(p.segments) != len(self.segments)
+                              or any(a is not b for a, b in zip(p.segments, self.segments, strict=True))):
+            raise ValueError("the prepared KV is of other segments than the injection's")
         object.__setattr__(self, "token_ids", tuple(t for s in self.segments for t in s.token_ids))
 
     @property
@@ -97,8 +111,12 @@ class SegmentTable:
         self._injections: dict[str, Injection] = {}
         self._captures: dict[str, CaptureResult] = {}
 
-    def offer(self, key: str, segments: tuple[KVSegment, ...]) -> Injection:
-        inj = Injection(tuple(segments))
+    def offer(self, key: str, segments: Sequence[KVSegment] | PreparedInjection) -> Injection:
+        """Offer the KV a request injects: its segments, or a PreparedInjection of them."""
+        if isinstance(segments, Sequence):
+            inj = Injection(tuple(segments))
+        else:
+            inj = Injection(segments.segments, prepared=segments)
         with self._lock:
             self._injections[key] = inj
         return inj

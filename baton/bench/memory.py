@@ -20,9 +20,14 @@ Measured, for k in {5, 10, 20, 50}:
   the reference answer, for the default window w and w = 0; answers' token-F1 at k = 10;
 - the service path (baton/bench/memory_service.py): question text -> first token through the
   memory-store actor's recall, the layout, the resolver (warm replica LRU, pulled from the store,
-  or encoded) and the engine, at concurrency 1 and 16, for k = 5 and 50.
+  or encoded), the prepare (rotation and cast) and the engine, at concurrency 1 and 16, for k = 5 and 50.
 Segments are encoded before the engine timings (InferScale precomputes them when facts are added);
-the time to encode is reported separately, and as the service path's encode tier.
+the time to encode is reported separately, and as the service path's encode tier. They are also
+prepared before the engine timings, as the replica prepares them after resolving: keys rotated to
+their prompt positions and cast to the model dtype in the pull path (kv_transfer/prepared.py), so
+engine TTFT in KV mode excludes the rotation (reported as prepare_s, per k); the engine thread
+only writes the prepared KV into the paged cache. The service path's TTFT includes it (its
+prepare stage).
 """
 from __future__ import annotations
 
@@ -78,26 +83,32 @@ async def _request(runner: Any, ids: Sequence[int], segs: Any, max_tokens: int,
 
 
 class _Case:
-    """One question of one user at one k and window: its prompt and (for KV mode) its segments."""
+    """One question of one user at one k and window: its prompt and (for KV mode) the KV handed to
+    the engine: `prepared_kv`, its resolved segments prepared in the pull path (a PreparedInjection;
+    the plain segments when the engine cannot rotate them)."""
 
-    def __init__(self, prompt: Any, segs: Any, answer: str):
-        self.prompt, self.segs, self.answer = prompt, segs, answer
+    def __init__(self, prompt: Any, prepared_kv: Any, answer: str):
+        self.prompt, self.prepared_kv, self.answer = prompt, prepared_kv, answer
 
 
 async def _build_cases(runner: Any, renderer: Any, svc: Any, user: str, qas: Sequence[Any], k: int, window: int,
-                       resolver: Any) -> tuple[list[_Case], float]:
+                       resolver: Any) -> tuple[list[_Case], float, float]:
+    """The cases, the seconds spent resolving (encoding) their segments and preparing them."""
+    from kv_transfer.segment_worker import prepare_injection
     from memory_store.layout import memory_prompt
 
-    cases, enc_s = [], 0.0
+    cases, enc_s, prep_s = [], 0.0, 0.0
     for qa in qas:
         recall = svc.recall(user, qa.question, k, window)
         p = memory_prompt(renderer, [{"role": "user", "content": qa.question}], recall.facts,
                           user=user, model="smollm2", window=window, inject=True)
         t0 = time.perf_counter()
         segs = await resolver.resolve(p.token_ids, p.injection)
-        enc_s += time.perf_counter() - t0
-        cases.append(_Case(p, segs, qa.answer))
-    return cases, enc_s
+        t1 = time.perf_counter()
+        prepared = await asyncio.to_thread(prepare_injection, segs)
+        enc_s, prep_s = enc_s + t1 - t0, prep_s + time.perf_counter() - t1
+        cases.append(_Case(p, prepared, qa.answer))
+    return cases, enc_s, prep_s
 
 
 async def _ttft(runner: Any, cases: Sequence[_Case], reps: int) -> dict[str, Any]:
@@ -105,7 +116,7 @@ async def _ttft(runner: Any, cases: Sequence[_Case], reps: int) -> dict[str, Any
     cached: dict[str, list[int]] = {"prompt": [], "kv": [], "hit": []}
     for _ in range(reps):
         for c in cases:  # interleave the modes so drift on a shared machine hits all alike
-            for mode, segs in (("prompt", None), ("kv", c.segs), ("hit", None)):
+            for mode, segs in (("prompt", None), ("kv", c.prepared_kv), ("hit", None)):
                 salt = None
                 if mode == "hit":  # prime: the memory prefix computed once under this salt (not timed)
                     salt = uuid.uuid4().hex
@@ -127,7 +138,7 @@ async def _throughput(runner: Any, cases: Sequence[_Case], concurrency: int, max
         async def one(c: _Case, sem: asyncio.Semaphore, inject: bool) -> None:
             nonlocal toks
             async with sem:
-                _, out, _ = await _request(runner, c.prompt.token_ids, c.segs if inject else None, max_tokens)
+                _, out, _ = await _request(runner, c.prompt.token_ids, c.prepared_kv if inject else None, max_tokens)
                 toks += len(out)
 
         t0 = time.perf_counter()
@@ -259,28 +270,32 @@ async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, 
 
     resolver = SegmentResolver(runner, store=None, local_capacity_bytes=4 << 30)
     # warm-up (unmeasured): one request of each mode
-    warm, _ = await _build_cases(runner, renderer, svc, users[0][0], users[0][1][:1], 5, DEFAULT_WINDOW, resolver)
+    warm, _, _ = await _build_cases(runner, renderer, svc, users[0][0], users[0][1][:1], 5, DEFAULT_WINDOW, resolver)
     await _ttft(runner, warm, 1)
 
     by_k: dict[int, Any] = {}
     cases_k: dict[int, list[_Case]] = {}
     for k in KS:
-        cases, enc_s = [], 0.0
+        cases, enc_s, prep_s = [], 0.0, 0.0
         for user, qas in users:
-            cs, e = await _build_cases(runner, renderer, svc, user, qas, k, DEFAULT_WINDOW, resolver)
+            cs, e, pr = await _build_cases(runner, renderer, svc, user, qas, k, DEFAULT_WINDOW, resolver)
             cases += cs
-            enc_s += e
-        cases_k[k] = cases
+            enc_s, prep_s = enc_s + e, prep_s + pr
+        if k in (KS[0], KS[-1], *FIDELITY_KS):  # kept for throughput and fidelity (each case holds its prepared KV)
+            cases_k[k] = cases
         before = segment_stats()
         ttft = await _ttft(runner, cases, reps)
         after = segment_stats()
         load_ms = 1000 * (after.load_seconds - before.load_seconds) / max(1, after.injections - before.injections)
-        by_k[k] = {"ttft": ttft, "encode_s": enc_s, "mean_load_ms": load_ms}
+        prepared = (after.prepared_loads - before.prepared_loads) / max(1, after.injections - before.injections)
+        by_k[k] = {"ttft": ttft, "encode_s": enc_s, "mean_load_ms": load_ms, "prepare_s": prep_s,
+                   "mean_prepare_ms": 1000 * prep_s / max(1, len(cases)), "prepared_load_fraction": prepared}
         print(f"[memory] k={k:>2}: prompt {ttft['mean_prompt_tokens']:.0f} tokens; TTFT p50 prompt {ttft['prompt']['p50_s'] * 1000:.0f} ms "
               f"vs kv {ttft['kv']['p50_s'] * 1000:.0f} ms vs hit {ttft['hit']['p50_s'] * 1000:.0f} ms "
               f"(p95 {ttft['prompt']['p95_s'] * 1000:.0f} / {ttft['kv']['p95_s'] * 1000:.0f} / {ttft['hit']['p95_s'] * 1000:.0f}); "
               f"cached kv {ttft['kv']['mean_cached_tokens']:.0f}, hit {ttft['hit']['mean_cached_tokens']:.0f}; "
-              f"load {load_ms:.0f} ms; encode {enc_s:.1f}s", flush=True)
+              f"load {load_ms:.0f} ms ({prepared:.0%} prepared; prepare {1000 * prep_s / max(1, len(cases)):.0f} ms each); "
+              f"encode {enc_s:.1f}s", flush=True)
     for k in (KS[0], KS[-1]):
         by_k[k]["throughput"] = await _throughput(runner, cases_k[k], concurrency, 16)
         t = by_k[k]["throughput"]
@@ -290,7 +305,7 @@ async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, 
     for k in FIDELITY_KS:
         w0: list[_Case] = []
         for user, qas in users:
-            cs, _ = await _build_cases(runner, renderer, svc, user, qas, k, 0, resolver)
+            cs, _, _ = await _build_cases(runner, renderer, svc, user, qas, k, 0, resolver)
             w0 += cs
         scores = await memory_fidelity.measure(runner, renderer, {"prompt": cases_k[k], f"kv_w{DEFAULT_WINDOW}": cases_k[k],
                                                                   "kv_w0": w0}, with_f1=k == FIDELITY_K)

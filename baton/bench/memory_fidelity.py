@@ -118,8 +118,8 @@ async def _answer(runner: Any, ids: Sequence[int], segs: Any, max_tokens: int) -
 
 
 async def measure(runner: Any, renderer: Any, modes: Mapping[str, Sequence[Any]], with_f1: bool) -> dict[str, ModeScore]:
-    """modes: name -> cases (each with .prompt.token_ids, .segs, .answer); "prompt" is the reference
-    and its cases' segments are not used. All modes' cases are the same questions in the same order."""
+    """modes: name -> cases (each with .prompt.token_ids, .prepared_kv, .answer); "prompt" is the reference
+    and its cases' KV is not used. All modes' cases are the same questions in the same order."""
     dists: dict[str, list[dict[int, float]]] = {m: [] for m in modes}
     f1s: dict[str, list[float]] = {m: [] for m in modes}
     refs: list[int] = []
@@ -129,7 +129,7 @@ async def measure(runner: Any, renderer: Any, modes: Mapping[str, Sequence[Any]]
         refs += ref
         for m, cases in modes.items():
             c = cases[i]
-            segs = None if m == "prompt" else c.segs
+            segs = None if m == "prompt" else c.prepared_kv
             salt = uuid.uuid4().hex
             for j in range(len(ref)):
                 dists[m].append(await _distribution(runner, tuple(c.prompt.token_ids) + tuple(ref[:j]), segs, salt))

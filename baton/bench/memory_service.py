@@ -5,7 +5,11 @@ Per request, timed from the question text:
    question and takes the top k of the user's facts;
 2. layout: the prompt's token ids with the facts in it (memory_store/layout.py);
 3. resolve: the replica's SegmentResolver finds each segment in one of three tiers;
-4. engine: submit with the segments to first token (max_tokens 1, a fresh cache salt).
+4. prepare: the segments' keys rotated to their prompt positions and cast, keys and values laid
+   end to end in the model dtype, in a thread (kv_transfer/prepared.py), as the replica does;
+5. engine: submit with the prepared KV to first token (max_tokens 1, a fresh cache salt); the
+   engine thread only writes it into the paged cache.
+The total includes the rotation (the prepare stage); `baton bench memory`'s engine TTFT does not.
 Tiers (which cache holds the request's segments):
 - warm: this replica's own LRU (a user's later turn on the same replica);
 - pull: only the memory-store actor (a replica that has not served the user; pulled through Ray);
@@ -40,6 +44,7 @@ class Timed:
     recall_s: float
     layout_s: float
     resolve_s: float
+    prepare_s: float
     engine_s: float
     injected_tokens: int
 
@@ -47,6 +52,7 @@ class Timed:
 async def one(runner: Any, renderer: Any, store: Any, resolver: Any, q: Question, k: int, window: int) -> Timed:
     """One request along the service path; `resolver` decides the tier."""
     from baton.engine.types import GenerationRequest, SamplingSpec
+    from kv_transfer.segment_worker import prepare_injection
     from memory_store.layout import memory_prompt
 
     t0 = time.perf_counter()
@@ -57,22 +63,24 @@ async def one(runner: Any, renderer: Any, store: Any, resolver: Any, q: Question
     t2 = time.perf_counter()
     segs = await resolver.resolve(p.token_ids, p.injection)
     t3 = time.perf_counter()
+    prepared = await asyncio.to_thread(prepare_injection, segs)
+    t4 = time.perf_counter()
     req = GenerationRequest(request_id=uuid.uuid4().hex, prompt_token_ids=tuple(p.token_ids),
                             sampling=SamplingSpec(max_tokens=1, temperature=0.0), cache_salt=uuid.uuid4().hex)
     cached, first = 0, None
-    async for d in runner.generate(req, injection=segs):
+    async for d in runner.generate(req, injection=prepared):
         cached = max(cached, d.cached_tokens)
         if first is None and d.token_ids:
             first = time.perf_counter()
-    t4 = first or time.perf_counter()
-    return Timed(t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3, cached)
+    t5 = first or time.perf_counter()
+    return Timed(t5 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, cached)
 
 
 def summarize(rows: Sequence[Timed], wall_s: float | None = None) -> dict[str, Any]:
     """p50/p95 of the total and p50 of each stage; requests/s when the wall time is given."""
     out: dict[str, Any] = {"n": len(rows), "p50_s": quantile([r.total_s for r in rows], 0.5),
                            "p95_s": quantile([r.total_s for r in rows], 0.95)}
-    for stage in ("recall_s", "layout_s", "resolve_s", "engine_s"):
+    for stage in ("recall_s", "layout_s", "resolve_s", "prepare_s", "engine_s"):
         out[f"{stage[:-2]}_p50_s"] = quantile([getattr(r, stage) for r in rows], 0.5)
     out["mean_injected_tokens"] = sum(r.injected_tokens for r in rows) / max(1, len(rows))
     if wall_s is not None:
@@ -118,7 +126,8 @@ async def measure(runner: Any, renderer: Any, store: Any, questions: Sequence[Qu
         res[str(k)] = {"concurrency_1": by_tier, f"concurrency_{concurrency}": loaded}
         print(f"[memory] service k={k:>2}: TTFT p50 warm {by_tier['warm']['p50_s'] * 1000:.0f} ms, pull "
               f"{by_tier['pull']['p50_s'] * 1000:.0f} ms, encode {by_tier['encode']['p50_s'] * 1000:.0f} ms "
-              f"(recall {by_tier['warm']['recall_p50_s'] * 1000:.0f}, pull's resolve {by_tier['pull']['resolve_p50_s'] * 1000:.0f} ms); "
+              f"(recall {by_tier['warm']['recall_p50_s'] * 1000:.0f}, pull's resolve {by_tier['pull']['resolve_p50_s'] * 1000:.0f}, "
+              f"prepare {by_tier['warm']['prepare_p50_s'] * 1000:.0f} ms); "
               f"at concurrency {concurrency}: warm p50 {loaded['warm']['p50_s'] * 1000:.0f} ms, "
               f"{loaded['warm']['requests_per_s']:.2f} req/s; pull p50 {loaded['pull']['p50_s'] * 1000:.0f} ms", flush=True)
     return res

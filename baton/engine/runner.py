@@ -42,6 +42,7 @@ from baton.engine.types import (
 from baton.engine.vllm_engine import apply_engine_environment, build_vllm_engine, shutdown_engine
 
 if TYPE_CHECKING:
+    from kv_transfer.prepared import PreparedInjection
     from kv_transfer.segments import CaptureResult, KVSegment, SegmentTable
 
 logger = logging.getLogger("baton.engine")
@@ -117,13 +118,15 @@ class EngineRunner:
         thread at most once a second; None for engines without it."""
         return self._checkpoint_metrics
 
-    async def generate(self, req: GenerationRequest, injection: tuple[KVSegment, ...] | None = None,
+    async def generate(self, req: GenerationRequest, injection: tuple[KVSegment, ...] | PreparedInjection | None = None,
                        capture: tuple[tuple[int, int], ...] = ()) -> AsyncIterator[GenerationDelta]:
         """Yield deltas until the request finishes. Cancelling the consumer aborts the request.
         Raises EngineUnavailable (at once when the runner is not running) or EngineRequestError.
 
         injection: KV segments laid from position 0 that the segment connector loads instead of
-        computing those prompt tokens. capture: prompt ranges whose KV the connector saves; the
+        computing those prompt tokens -- plain (the engine thread rotates them at load time) or a
+        PreparedInjection of them (kv_transfer/prepared.py: rotated and cast already, so the engine
+        thread only writes them; kv_transfer/segment_worker.prepare_injection makes one). capture: prompt ranges whose KV the connector saves; the
         finished delta then carries it (`delta.capture`, a CaptureResult: one segment per range,
         or why not). Only capture requests carry one, and they never leave this process."""
         rid = req.request_id
@@ -307,7 +310,7 @@ class EngineRunner:
         self._streams.publish(scheduler_stats(sched, self._kv_capacity_tokens, len(self._streams), steps))
 
 
-def _segment_params(segments: SegmentTable, key: str, injection: tuple[KVSegment, ...] | None,
+def _segment_params(segments: SegmentTable, key: str, injection: tuple[KVSegment, ...] | PreparedInjection | None,
                     capture: tuple[tuple[int, int], ...]) -> dict[str, Any]:
     """Offer the injection under `key` and say what the segment connector does for the request."""
     from kv_transfer.segment_connector import PARAMS_KEY

@@ -48,7 +48,7 @@ class RecordingTable(SegmentTable):
         super().__init__()
         self.log = log
 
-    def offer(self, key: str, segments: tuple[KVSegment, ...]) -> Any:
+    def offer(self, key: str, segments: Any) -> Any:  # segments, or a PreparedInjection of them
         self.log.append(("offer", key))
         return super().offer(key, segments)
 

@@ -59,11 +59,12 @@ def test_f1_of_answers():
 
 
 def test_service_summary_reports_stages_and_rate():
-    rows = [memory_service.Timed(0.1 * i, 0.01, 0.001, 0.02 * i, 0.05, 100) for i in range(1, 11)]
+    rows = [memory_service.Timed(0.1 * i, 0.01, 0.001, 0.02 * i, 0.004, 0.05, 100) for i in range(1, 11)]
     s = memory_service.summarize(rows, wall_s=2.0)
     assert s["n"] == 10 and s["requests_per_s"] == 5.0
     assert s["p50_s"] <= s["p95_s"]
     assert s["recall_p50_s"] == pytest.approx(0.01) and s["mean_injected_tokens"] == 100
+    assert s["prepare_p50_s"] == pytest.approx(0.004) and s["engine_p50_s"] == pytest.approx(0.05)
 
 
 def _report(kv50: float = 0.2, hit50: float = 0.1) -> tuple[dict, dict, dict]:

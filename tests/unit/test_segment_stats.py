@@ -16,6 +16,8 @@ def test_stats_invariants_are_checked() -> None:
         SegmentStats(load_failures=-1)
     with pytest.raises(ValueError, match="injected tokens"):
         SegmentStats(injections=2, injected_tokens=1)
+    with pytest.raises(ValueError, match="prepared loads"):
+        SegmentStats(injections=1, injected_tokens=4, prepared_loads=2)
     s = SegmentStats(injections=1, injected_tokens=4, load_seconds=0.5, captures=2)
     assert s + s == SegmentStats(injections=2, injected_tokens=8, load_seconds=1.0, captures=4)
     assert (s + s) - s == s
@@ -26,14 +28,14 @@ def test_stats_invariants_are_checked() -> None:
 def test_counters_count_each_kind_of_work() -> None:
     c = SegmentCounters()
     c.injected(5, 0.25)
-    c.injected(3, 0.5)
+    c.injected(3, 0.5, prepared=True)
     c.load_failed()
     c.refused()
     c.refused()
     c.captured()
     c.capture_failed()
-    assert c.snapshot() == SegmentStats(injections=2, injected_tokens=8, load_seconds=0.75, load_failures=1,
-                                        unavailable=2, captures=1, capture_failures=1)
+    assert c.snapshot() == SegmentStats(injections=2, injected_tokens=8, load_seconds=0.75, prepared_loads=1,
+                                        load_failures=1, unavailable=2, captures=1, capture_failures=1)
     with pytest.raises(ValueError, match="at least one token"):
         c.injected(0, 0.1)
     assert c.snapshot().injections == 2  # a refused count changes nothing
