@@ -84,6 +84,16 @@ def test_kv_injection_serves_recalled_facts(app: tuple[str, Path]) -> None:
             "max_tokens": 8, "temperature": 0, "user": "alice", "memories": {"k": 3, "mode": "kv"}}
     r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-session-id": "mem-kv"}, timeout=180)
     assert r.status_code == 200, r.text
+    # the prefill replica loaded KV prepared in its pull path (rotated and cast off the engine thread)
+    deadline = time.monotonic() + 30
+    while True:  # the replica reports every routing-stats period
+        reps = httpx.get(f"{url}/baton/stats", timeout=10).json()["replicas"]
+        prefill = [r for r in reps.values() if r["pool"] == "prefill"]
+        if prefill and prefill[0].get("segment_prepared_loads"):
+            break
+        assert time.monotonic() < deadline, prefill
+        time.sleep(1)
+    assert prefill[0]["segment_prepared_loads"] <= prefill[0]["segment_injections"]
 
 
 def test_other_users_memories_are_unreachable(app: tuple[str, Path]) -> None:
