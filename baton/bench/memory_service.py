@@ -53,13 +53,11 @@ async def one(runner: Any, renderer: Any, store: Any, resolver: Any, q: Question
     """One request along the service path; `resolver` decides the tier."""
     from baton.engine.types import GenerationRequest, SamplingSpec
     from kv_transfer.segment_worker import prepare_injection
-    from memory_store.layout import memory_prompt
 
     t0 = time.perf_counter()
     recall = await store.recall.remote(q.user, q.text, k, window)
     t1 = time.perf_counter()
-    p = memory_prompt(renderer, [{"role": "user", "content": q.text}], recall.facts, user=q.user, model="smollm2",
-                      window=window, inject=True, deletions=recall.deletions)
+    p = _prompt(renderer, q, recall, window)
     t2 = time.perf_counter()
     segs = await resolver.resolve(p.token_ids, p.injection)
     t3 = time.perf_counter()
@@ -133,12 +131,16 @@ async def measure(runner: Any, renderer: Any, store: Any, questions: Sequence[Qu
     return res
 
 
-async def _layout(renderer: Any, store: Any, q: Question, k: int, window: int) -> tuple[Any, Any]:
+def _prompt(renderer: Any, q: Question, recall: Any, window: int) -> Any:
+    """The question's prompt with its recalled facts in KV-injection layout (a MemoryPrompt)."""
     from memory_store.layout import memory_prompt
 
-    recall = await store.recall.remote(q.user, q.text, k, window)
-    p = memory_prompt(renderer, [{"role": "user", "content": q.text}], recall.facts, user=q.user, model="smollm2",
-                      window=window, inject=True, deletions=recall.deletions)
+    return memory_prompt(renderer, [{"role": "user", "content": q.text}], recall.facts, user=q.user, model="smollm2",
+                         window=window, inject=True, deletions=recall.deletions)
+
+
+async def _layout(renderer: Any, store: Any, q: Question, k: int, window: int) -> tuple[Any, Any]:
+    p = _prompt(renderer, q, await store.recall.remote(q.user, q.text, k, window), window)
     return p.token_ids, p.injection
 
 
