@@ -141,7 +141,10 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
     seg_bytes = 0
     if cfg.memory is not None:
         db_path = str(cfg.memory.resolved_db_path(PROJECT_ROOT))
-        store = MemoryStoreDeployment.options(ray_actor_options=cfg.control_plane.actor_options(0)).bind(cfg.memory, db_path)
+        store_opts = cfg.control_plane.actor_options(0)
+        if cfg.memory.store_gpus > 0:  # its segment arena then lives in GPU memory
+            store_opts["num_gpus"] = cfg.memory.store_gpus
+        store = MemoryStoreDeployment.options(ray_actor_options=store_opts).bind(cfg.memory, db_path)
         seg_bytes = cfg.memory.replica_cache_bytes
     decode_spec = spec("decode", cfg.decode)
     decode = EngineReplicaDeployment.options(**pool_options("decode", cfg.decode, decode_spec, cfg)).bind(

@@ -47,9 +47,10 @@ class EngineReplica:
         self.start_seconds = time.monotonic() - t0
         self._resolver = None
         if memory_cache_bytes > 0:
+            from kv_transfer.segment_pull import process_puller
             from memory_store.resolver import SegmentResolver
 
-            self._resolver = SegmentResolver(self._runner, memory_store, memory_cache_bytes)
+            self._resolver = SegmentResolver(self._runner, memory_store, memory_cache_bytes, puller=process_puller())
         self._realtime = RealtimeSessions(self._runner)
         self._rt_sessions = metrics.Gauge("baton_realtime_sessions", "live real-time sessions on this replica")
         self._rt_kv_bytes = metrics.Gauge("baton_realtime_held_kv_bytes", "host bytes of sink + window KV held for bounded sessions")
@@ -150,7 +151,9 @@ class EngineReplica:
         self._segment_metrics.publish(seg)
         extra = seg.as_report()
         if self._resolver is not None:  # KV of deleted memory facts dropped from this replica's cache
-            extra["memory_purged_segments"] = self._resolver.purged_segments
+            r = self._resolver
+            extra.update(memory_purged_segments=r.purged_segments, memory_pulled_segments=r.pulled_segments,
+                         memory_pulled_bytes=r.pulled_bytes, memory_pull_failures=r.pull_failures)
         if ck is not None:  # shown per replica in /baton/stats
             extra.update(checkpoints_held=ck.checkpoints_held, checkpoint_state_bytes=ck.state_bytes,
                          checkpoint_hit_tokens=ck.hit_tokens, checkpoint_recomputed_tokens=ck.recomputed_tokens)

@@ -24,7 +24,13 @@ class MemoryConfig(BaseModel):
     context_window: int = Field(2, ge=0, description=(
         "w: how many preceding facts of the same source are the context when a fact's KV is "
         "encoded (0 = the fact alone)."))
-    segment_capacity_mb: int = Field(256, ge=1, description="Byte budget of the memory store's encoded-KV segment cache.")
+    segment_capacity_mb: int = Field(256, ge=1, description=(
+        "Byte budget of the memory store's encoded-KV segment cache (one arena of this size)."))
+    segment_transport: Literal["nixl", "ray"] = Field("nixl", description=(
+        "How engine replicas get segments from the store: nixl (read from the store's registered "
+        "arena by address; falls back to ray when NIXL cannot start) or ray (copies through Ray)."))
+    store_gpus: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "GPUs given to the memory-store actor; > 0 puts its segment arena in GPU memory."))
     replica_cache_mb: int = Field(128, ge=1, description=(
         "Byte budget of each engine replica's own cache of encoded segments (in front of the store's)."))
     mode: Literal["kv", "prompt"] = Field("kv", description=(

@@ -1,7 +1,10 @@
 """The memory-store actor: MemoryService (memory_store/store.py) behind one Serve replica.
 
 One replica (a Ray actor) owns the SQLite file and the segment cache; every ingress and engine
-replica talks to it through a handle. Blocking work (SQLite, embeddings) runs in a worker
+replica talks to it through a handle. The cache's bytes live in a NIXL-registered arena
+(memory_store/arena.py; GPU memory when the actor has a GPU), which engine replicas read from
+directly (`get_segments(by_ref=True)` answers SegmentRefs; `arena_peer` is what a reader needs to
+connect). Blocking work (SQLite, embeddings) runs in a worker
 thread so the actor keeps answering. Restarting it loses only cached KV: facts are on disk and
 engine replicas re-encode segments on demand.
 """
@@ -16,6 +19,7 @@ from typing import Any
 from ray import serve
 from ray.serve import metrics
 
+from memory_store.arena import SegmentArena
 from memory_store.config import MemoryConfig
 from memory_store.db import FactStore
 from memory_store.deletions import DeletionFeed
@@ -30,7 +34,7 @@ class MemoryStore:
     def __init__(self, cfg: MemoryConfig, db_path: str):
         db = FactStore(db_path, max_fact_chars=cfg.max_fact_chars, max_facts_per_request=cfg.max_facts_per_request,
                        idempotency_ttl_s=cfg.idempotency_ttl_h * 3600.0)
-        self._svc = MemoryService(cfg, db, make_embedder(cfg.embedder))
+        self._svc = MemoryService(cfg, db, make_embedder(cfg.embedder), _arena(cfg))
         self._bytes = metrics.Gauge("baton_memory_segment_bytes", "bytes of encoded memory KV held by the memory store")
         self._hits = metrics.Counter("baton_memory_segment_lookups", "segment lookups by the engines", tag_keys=("result",))
         logger.info("memory store on %s", db_path)
@@ -58,8 +62,8 @@ class MemoryStore:
         """Engine replicas' purge feed (memory_store/resolver.py: each stats tick, and before a request)."""
         return await asyncio.to_thread(self._svc.deletions_since, store_id, cursor)
 
-    async def get_segments(self, user: str, keys: Sequence[SegmentKey]) -> dict[SegmentKey, Any]:
-        found = await asyncio.to_thread(self._svc.get_segments, user, keys)
+    async def get_segments(self, user: str, keys: Sequence[SegmentKey], by_ref: bool = False) -> dict[SegmentKey, Any]:
+        found = await asyncio.to_thread(self._svc.get_segments, user, keys, by_ref)
         for result, n in (("hit", len(found)), ("miss", len(keys) - len(found))):
             if n:  # a Ray counter refuses an increment of 0: an all-hit lookup raised and the engine re-encoded
                 self._hits.inc(n, tags={"result": result})
@@ -70,12 +74,26 @@ class MemoryStore:
         self._bytes.set(self._svc.stats().bytes)
         return n
 
+    async def arena_peer(self) -> bytes | None:
+        """The arena's NIXL agent metadata (a reader adds it as a peer once); None: no NIXL."""
+        arena = self._svc.arena
+        return arena.agent_metadata() if arena is not None and arena.serves_refs else None
+
     async def stats(self) -> dict[str, Any]:
         return dataclasses.asdict(self._svc.stats())
 
     async def check_integrity(self) -> None:
         """Full check (SQLite integrity_check + cache invariants); tests call it, not health checks."""
         await asyncio.to_thread(self._svc.check_integrity)
+
+
+def _arena(cfg: MemoryConfig) -> SegmentArena:
+    import torch
+
+    device = "cuda" if cfg.store_gpus > 0 and torch.cuda.is_available() else "cpu"
+    if cfg.store_gpus > 0 and device == "cpu":
+        logger.warning("memory.store_gpus is %s but this actor sees no GPU: the arena is in host memory", cfg.store_gpus)
+    return SegmentArena(cfg.segment_capacity_bytes, device=device, register=cfg.segment_transport == "nixl")
 
 
 MemoryStoreDeployment = serve.deployment(MemoryStore, name="memory_store", num_replicas=1, max_ongoing_requests=256,

@@ -2,7 +2,9 @@
 
 Lookup order, per segment (the anchor, then each fact):
 1. this replica's own LRU (no copy across processes),
-2. the memory-store actor's cache,
+2. the memory-store actor's cache: read over NIXL from the store's arena by address when this
+   process has a puller (kv_transfer/segment_pull.py), else copies through Ray; a failed read
+   counts as a miss,
 3. encode it here, on this replica's engine, with the serving model's own weights and numerics:
    the anchor is computed alone at position 0 (exact); a fact is computed after the anchor and
    its context (the w preceding facts of its source) and only the fact's tokens are kept, keys
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -31,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kv_transfer.injection import MemoryFact, MemoryInjection
+from kv_transfer.segment_pull import PullFailed, SegmentPuller
+from kv_transfer.segment_refs import SegmentRef
 from kv_transfer.segments import KVSegment
 from memory_store.layout import encode_salt, token_hash
 from memory_store.segment_cache import SegmentCache, SegmentKey
@@ -73,10 +78,15 @@ def fact_key(fact: MemoryFact, window: int, model: str) -> SegmentKey:
 
 
 class SegmentResolver:
-    def __init__(self, engine: Capturer, store: Any | None, local_capacity_bytes: int):
+    def __init__(self, engine: Capturer, store: Any | None, local_capacity_bytes: int,
+                 puller: SegmentPuller | None = None):
         self._engine = engine
         self._store = store  # a handle to memory_store.deployment.MemoryStore, or None
+        self._puller = puller  # reads the store's arena over NIXL; None: copies through Ray
         self._local = SegmentCache(local_capacity_bytes)
+        self.pulled_segments = 0  # segments read from the store's arena over NIXL (metric)
+        self.pulled_bytes = 0
+        self.pull_failures = 0  # reads that failed, timed out or outlived their lease (encoded instead)
         self.encoded_tokens = 0  # tokens of memory KV this replica has encoded (metric)
         self.purged_segments = 0  # segments dropped because their facts were deleted (metric)
         self._cursor: tuple[str, int] = ("", 0)  # (store id, epoch) of the deletion log applied here
@@ -151,11 +161,7 @@ class SegmentResolver:
             found[k] = held.segment
         missing = [k for k in keys if k not in found]
         if missing and self._store is not None:
-            try:
-                fetched = await self._store.get_segments.remote(m.user, missing)
-            except Exception as e:  # noqa: BLE001 - the store is a cache here; encode instead
-                logger.warning("memory store lookup failed (%s); encoding locally", type(e).__name__)
-                fetched = {}
+            fetched = await self._fetch(m.user, missing)
             for k, v in fetched.items():  # the store drops segments whose context was deleted
                 found[k] = v
                 self._keep(k, _Held(v, context.get(k, ())), resets)
@@ -170,6 +176,43 @@ class SegmentResolver:
             if seg.token_ids != tuple(prompt[a:b]):
                 raise MemoryUnavailable(f"segment tokens differ from prompt positions [{a}, {b})")
         return segs
+
+    async def _fetch(self, user: str, keys: list[SegmentKey]) -> dict[SegmentKey, KVSegment]:
+        """The store's segments among `keys`: read over NIXL when it answers refs; {} on failure."""
+        asked_at = time.monotonic()  # before asking: the store's lease runs from its answer
+        try:
+            if self._puller is None:
+                return dict(await self._store.get_segments.remote(user, keys))
+            fetched = dict(await self._store.get_segments.remote(user, keys, True))  # by_ref
+        except Exception as e:  # noqa: BLE001 - the store is a cache here; encode instead
+            logger.warning("memory store lookup failed (%s); encoding locally", type(e).__name__)
+            return {}
+        refs = {k: v for k, v in fetched.items() if isinstance(v, SegmentRef)}
+        if refs:
+            pulled = await self._pull(list(refs.values()), asked_at)
+            for k in refs:
+                del fetched[k]
+            if pulled is not None:
+                fetched.update(zip(refs, pulled, strict=True))
+        return fetched
+
+    async def _pull(self, refs: list[SegmentRef], asked_at: float) -> tuple[KVSegment, ...] | None:
+        """Read refs out of the store's arena in a worker thread; None if that failed."""
+        assert self._puller is not None
+        try:
+            if not self._puller.knows(refs[0].agent):
+                metadata = await self._store.arena_peer.remote()
+                if metadata is None:
+                    raise PullFailed("the memory store's arena has no NIXL agent")
+                self._puller.add_peer(metadata)
+            result = await asyncio.to_thread(self._puller.read, refs, asked_at)
+        except Exception as e:  # noqa: BLE001 - a failed read is a miss: the segments are encoded
+            self.pull_failures += 1
+            logger.warning("memory segments not read from the store (%s: %s); encoding locally", type(e).__name__, e)
+            return None
+        self.pulled_segments += len(result.segments)
+        self.pulled_bytes += result.nbytes
+        return result.segments
 
     async def encode(self, anchor: tuple[int, ...], facts: Sequence[MemoryFact], m: MemoryInjection,
                      with_anchor: bool = True, resets: int | None = None) -> dict[SegmentKey, KVSegment]:

@@ -14,7 +14,7 @@ serializes calls. "No room" is a value: put() returns PutResult(stored=False, re
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -71,10 +71,13 @@ class CacheStats:
 
 
 class SegmentCache:
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, on_remove: Callable[[SegmentKey, Segment], None] | None = None) -> None:
+        """on_remove(key, value): called for every value that leaves the cache, however it leaves
+        (LRU, replaced, evict, drop_fact, clear): the memory store's arena frees its extent there."""
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be > 0")
         self.capacity_bytes = capacity_bytes
+        self._on_remove = on_remove
         self._items: OrderedDict[SegmentKey, Segment] = OrderedDict()  # LRU first, MRU last
         self._deps: dict[str, set[SegmentKey]] = {}  # fact id -> keys whose encoding used it
         self._uses: dict[SegmentKey, frozenset[str]] = {}  # key -> fact ids it is indexed under
@@ -86,6 +89,9 @@ class SegmentCache:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def values(self) -> list[Segment]:  # no effect on recency or stats
+        return list(self._items.values())
 
     def fits(self, nbytes: int) -> bool:
         """Whether an item of this size can ever be stored (after evicting everything else)."""
@@ -126,6 +132,15 @@ class SegmentCache:
         """Remove key; False if it was not cached."""
         return self._remove(key)
 
+    def evict_lru(self) -> SegmentKey | None:
+        """Remove the least recently used item (counted as an eviction); None when empty."""
+        if not self._items:
+            return None
+        victim = next(iter(self._items))
+        self._remove(victim)
+        self._evictions += 1
+        return victim
+
     def drop_fact(self, fact_id: str) -> int:
         """Remove every segment of this fact (all windows, all models) and every segment encoded
         with it as context. Returns how many went."""
@@ -133,12 +148,15 @@ class SegmentCache:
 
     def clear(self) -> int:
         """Remove everything (not counted as evictions). Returns how many went."""
-        n = len(self._items)
+        items = list(self._items.items())
         self._items.clear()
         self._deps.clear()
         self._uses.clear()
         self._bytes = 0
-        return n
+        if self._on_remove is not None:
+            for key, value in items:
+                self._on_remove(key, value)
+        return len(items)
 
     def stats(self) -> CacheStats:
         return CacheStats(self._hits, self._misses, self._evictions, self._bytes,
@@ -166,4 +184,6 @@ class SegmentCache:
             self._deps[fid].discard(key)
             if not self._deps[fid]:
                 del self._deps[fid]
+        if self._on_remove is not None:
+            self._on_remove(key, value)
         return True

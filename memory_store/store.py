@@ -5,7 +5,9 @@ is testable in milliseconds with a fake embedder. It owns three things:
 - the durable facts (memory_store/db.py, SQLite): the truth, never lost;
 - the embedder (memory_store/embedder.py) for retrieval by cosine similarity;
 - the encoded KV segments (memory_store/segment_cache.py, LRU by bytes): a cache only. An
-  evicted or lost segment is encoded again by an engine replica when next needed.
+  evicted or lost segment is encoded again by an engine replica when next needed. With an arena
+  (memory_store/arena.py) their bytes live in one NIXL-registered buffer, and a lookup that asks
+  `by_ref` gets SegmentRefs to read them by instead of copies.
 Every call names the user, and every fact it touches must be that user's (FactNotFound
 otherwise, the same answer for a foreign id as for an unknown one).
 
@@ -20,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kv_transfer.segments import KVSegment
+from memory_store.arena import ArenaEntry, SegmentArena
 from memory_store.config import MemoryConfig
 from memory_store.db import Fact, FactStore
 from memory_store.deletions import DeletionFeed
@@ -57,12 +61,15 @@ class Recall:
 
 
 class MemoryService:
-    def __init__(self, cfg: MemoryConfig, db: FactStore, embedder: Embedder):
+    def __init__(self, cfg: MemoryConfig, db: FactStore, embedder: Embedder, arena: SegmentArena | None = None):
         self._cfg = cfg
         self._db = db
         self._embedder = embedder
-        self._segments = SegmentCache(cfg.segment_capacity_bytes)
-        self._seg_lock = threading.Lock()  # SegmentCache is not thread-safe
+        self._arena = arena
+        release = (lambda _k, entry: arena.release(entry)) if arena is not None else None
+        capacity = arena.capacity_bytes if arena is not None else cfg.segment_capacity_bytes
+        self._segments = SegmentCache(capacity, on_remove=release)
+        self._seg_lock = threading.Lock()  # SegmentCache and the arena are not thread-safe
 
     # ---- facts ------------------------------------------------------------------------------
     def add(self, user: str, texts: Sequence[str], source: str = "api", idempotency_key: str | None = None) -> list[FactView]:
@@ -126,13 +133,24 @@ class MemoryService:
         return self._db.deletions_since(store_id, cursor)
 
     # ---- encoded KV --------------------------------------------------------------------------
-    def get_segments(self, user: str, keys: Sequence[SegmentKey]) -> dict[SegmentKey, Any]:
-        """Cached segments among `keys` (misses are simply absent). Fact keys must be the user's."""
+    @property
+    def arena(self) -> SegmentArena | None:
+        return self._arena
+
+    def get_segments(self, user: str, keys: Sequence[SegmentKey], by_ref: bool = False) -> dict[SegmentKey, Any]:
+        """Cached segments among `keys` (misses are simply absent). Fact keys must be the user's.
+        by_ref: answer SegmentRefs (leased extents of the NIXL-registered arena) where the arena
+        serves them; otherwise KVSegments (copies)."""
         fact_ids = sorted({k.fact_id for k in keys if k.kind == "fact"})
         if fact_ids:
             self._db.get(user, fact_ids)  # raises FactNotFound for a foreign or deleted fact
         with self._seg_lock:
-            return {k: v for k in keys if (v := self._segments.get(k)) is not None}
+            found = {k: v for k in keys if (v := self._segments.get(k)) is not None}
+            if self._arena is None:
+                return found
+            if by_ref and self._arena.serves_refs:
+                return {k: self._arena.lease(v) for k, v in found.items()}
+            return {k: self._arena.load(v) for k, v in found.items()}
 
     def put_segments(self, user: str, items: Sequence[tuple[SegmentKey, Any, Sequence[str]]]) -> int:
         """Store encoded segments (key, segment, ids of the context facts it was encoded after).
@@ -147,8 +165,22 @@ class MemoryService:
             for key, seg, ctx in items:
                 if key.kind == "fact" and (key.fact_id not in alive or not set(ctx) <= alive):
                     continue
-                stored += self._segments.put(key, seg, context=ctx).stored
+                value = seg if self._arena is None else self._into_arena(key, seg)
+                if value is not None:
+                    stored += self._segments.put(key, value, context=ctx).stored
         return stored
+
+    def _into_arena(self, key: SegmentKey, seg: KVSegment) -> ArenaEntry | None:
+        """Copy a segment into the arena, evicting least recently used segments until a free extent
+        is large enough; None when it cannot fit (extents still leased, or too large)."""
+        assert self._arena is not None
+        if not isinstance(seg, KVSegment) or not self._arena.fits(seg.nbytes):
+            return None
+        self._segments.evict(key)  # a re-put replaces: its old extent is free space
+        while (entry := self._arena.put(seg)) is None:
+            if self._segments.evict_lru() is None:
+                return None
+        return entry
 
     def stats(self) -> CacheStats:
         with self._seg_lock:
@@ -158,3 +190,8 @@ class MemoryService:
         self._db.check_integrity()
         with self._seg_lock:
             self._segments.check_integrity()
+            if self._arena is not None:
+                self._arena.check_integrity()
+                cached = {v.offset for v in self._segments.values()}
+                if cached != self._arena.live_offsets():
+                    raise AssertionError("the cache's segments and the arena's live extents differ")
