@@ -152,7 +152,8 @@ class EngineReplica:
         extra = seg.as_report()
         if self._resolver is not None:  # KV of deleted memory facts dropped from this replica's cache
             r = self._resolver
-            extra.update(memory_purged_segments=r.purged_segments, memory_pulled_segments=r.pulled_segments,
+            extra.update(memory_purged_segments=r.purged_segments, memory_encoded_tokens=r.encoded_tokens,
+                         memory_pulled_segments=r.pulled_segments,
                          memory_pulled_bytes=r.pulled_bytes, memory_pull_failures=r.pull_failures)
         if ck is not None:  # shown per replica in /baton/stats
             extra.update(checkpoints_held=ck.checkpoints_held, checkpoint_state_bytes=ck.state_bytes,

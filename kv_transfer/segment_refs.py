@@ -67,7 +67,7 @@ class SegmentRef:
     def __post_init__(self) -> None:
         if self.mem_type not in MEM_TYPES:
             raise ValueError(f"mem_type must be one of {MEM_TYPES}, got {self.mem_type!r}")
-        if not self.agent or self.addr <= 0 or self.lease_s <= 0:
+        if not self.agent or self.addr <= 0 or not self.lease_s > 0:  # (NaN is not > 0)
             raise ValueError("a segment ref needs an agent, an address and a positive lease")
 
     @property

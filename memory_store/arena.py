@@ -88,17 +88,24 @@ class SegmentArena:
 
     # ---- segments ------------------------------------------------------------------------------
     def fits(self, nbytes: int) -> bool:
-        return self._alloc.size_of(nbytes) <= self._alloc.capacity
+        """Whether `nbytes` could be stored once every live entry were removed (extents waiting
+        out a lease stay taken)."""
+        return self._alloc.size_of(nbytes) <= self._alloc.capacity - self.waiting_bytes
 
     def put(self, seg: KVSegment) -> ArenaEntry | None:
         """Copy `seg` into a free extent; None when no free extent is large enough (the caller
         evicts and retries, or does not cache it)."""
+        SegmentLayout.of(seg)  # a segment the layout refuses raises here, before anything is allocated
         self._reap()
         nbytes = seg.nbytes
         offset = self._alloc.alloc(nbytes)
         if offset is None:
             return None
-        layout = pack(seg, self._buf[offset : offset + nbytes])
+        try:
+            layout = pack(seg, self._buf[offset : offset + nbytes])
+        except Exception:
+            self._alloc.free(offset)
+            raise
         entry = ArenaEntry(offset, self._alloc.length(offset), layout)
         self._live[offset] = entry
         return entry
@@ -150,8 +157,10 @@ class SegmentArena:
 
     @property
     def waiting_bytes(self) -> int:
-        """Bytes of removed entries still held for a reader's lease."""
-        return sum(self._alloc.length(o) for o in self._waiting)
+        """Bytes of removed entries still held for a reader's lease (a lease that has ended counts
+        as free: the next put reclaims it)."""
+        now = self._clock()
+        return sum(self._alloc.length(o) for o, until in self._waiting.items() if until > now)
 
     def check_integrity(self) -> None:
         self._alloc.check_integrity()

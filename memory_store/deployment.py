@@ -76,8 +76,7 @@ class MemoryStore:
 
     async def arena_peer(self) -> bytes | None:
         """The arena's NIXL agent metadata (a reader adds it as a peer once); None: no NIXL."""
-        arena = self._svc.arena
-        return arena.agent_metadata() if arena is not None and arena.serves_refs else None
+        return self._svc.arena_peer()
 
     async def stats(self) -> dict[str, Any]:
         return dataclasses.asdict(self._svc.stats())

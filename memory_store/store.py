@@ -17,6 +17,7 @@ replica purges up to it before it uses its own cache (memory_store/resolver.py).
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from memory_store.errors import InvalidInput
 from memory_store.layout import RecalledFact
 from memory_store.retrieval import order_for_layout, top_k
 from memory_store.segment_cache import CacheStats, SegmentCache, SegmentKey
+
+logger = logging.getLogger("baton.memory")
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,11 @@ class MemoryService:
     def arena(self) -> SegmentArena | None:
         return self._arena
 
+    def arena_peer(self) -> bytes | None:
+        """The arena's NIXL agent metadata (a reader adds it as a peer once); None: no NIXL."""
+        a = self._arena
+        return a.agent_metadata() if a is not None and a.serves_refs else None
+
     def get_segments(self, user: str, keys: Sequence[SegmentKey], by_ref: bool = False) -> dict[SegmentKey, Any]:
         """Cached segments among `keys` (misses are simply absent). Fact keys must be the user's.
         by_ref: answer SegmentRefs (leased extents of the NIXL-registered arena) where the arena
@@ -174,12 +182,16 @@ class MemoryService:
         """Copy a segment into the arena, evicting least recently used segments until a free extent
         is large enough; None when it cannot fit (extents still leased, or too large)."""
         assert self._arena is not None
-        if not isinstance(seg, KVSegment) or not self._arena.fits(seg.nbytes):
+        if not isinstance(seg, KVSegment) or not seg.num_tokens or not self._arena.fits(seg.nbytes):
             return None
         self._segments.evict(key)  # a re-put replaces: its old extent is free space
-        while (entry := self._arena.put(seg)) is None:
-            if self._segments.evict_lru() is None:
-                return None
+        try:
+            while (entry := self._arena.put(seg)) is None:
+                if self._segments.evict_lru() is None:
+                    return None
+        except (ValueError, RuntimeError) as e:  # a segment the arena's layout cannot hold: not cached
+            logger.warning("memory segment not cached: %s", e)
+            return None
         return entry
 
     def stats(self) -> CacheStats:

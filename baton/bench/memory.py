@@ -259,6 +259,7 @@ def run_result(by_k: dict[str, Any], fidelity: dict[str, Any], service: dict[str
     base = fid(FIDELITY_K, "prompt", "top1_accuracy") or float("nan")
     w = f"kv_w{DEFAULT_WINDOW}"
     pull = {k: service[str(k)]["concurrency_1"]["pull"]["p50_s"] for k in SERVICE_KS}
+    ray = {k: service[str(k)]["concurrency_1"]["pull_ray"]["p50_s"] for k in SERVICE_KS}
     return {
         "kv_ttft_growth_k50_over_k5": kv_growth,
         "hit_ttft_growth_k50_over_k5": hit_growth,
@@ -269,6 +270,7 @@ def run_result(by_k: dict[str, Any], fidelity: dict[str, Any], service: dict[str
         "kl_k50": fid(50, w, "kl_to_prompt_mean"),
         "fidelity_ratio": fid(FIDELITY_K, w, "top1_accuracy") / base,
         "service_ttft_growth_k50_over_k5": pull[50] / pull[5],
+        "service_ray_ttft_growth_k50_over_k5": ray[50] / ray[5],
         "top1_agreement_k50_w0": fid(50, "kv_w0", "top1_agreement_with_prompt"),
         "kl_k50_w0": fid(50, "kv_w0", "kl_to_prompt_mean"),
         "fidelity_ratio_w0": fid(FIDELITY_K, "kv_w0", "top1_accuracy") / base,
@@ -357,7 +359,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     axes[0].set_title("engine TTFT vs k (band: p50..p95)")
     axes[0].legend()
     sks = sorted(int(k) for k in service)
-    for tier, style in (("warm", "s-"), ("pull", "o-"), ("encode", "^-")):
+    for tier, style in (("warm", "s-"), ("pull", "o-"), ("pull_ray", "v-"), ("encode", "^-")):
         axes[1].plot(sks, [service[str(k)]["concurrency_1"][tier]["p50_s"] * 1000 for k in sks], style, label=f"{tier} (c=1)")
     loaded = next(c for c in service[str(sks[0])] if c != "concurrency_1")
     axes[1].plot(sks, [service[str(k)][loaded]["warm"]["p50_s"] * 1000 for k in sks], "s--", label=f"warm ({loaded})")

@@ -4,7 +4,7 @@ Per request, timed from the question text:
 1. recall: the memory-store actor (memory_store/deployment.py, a Ray actor here) embeds the
    question and takes the top k of the user's facts;
 2. layout: the prompt's token ids with the facts in it (memory_store/layout.py);
-3. resolve: the replica's SegmentResolver finds each segment in one of three tiers;
+3. resolve: the replica's SegmentResolver finds each segment in one of the tiers below;
 4. prepare: the segments' keys rotated to their prompt positions and cast, keys and values laid
    end to end in the model dtype, in a thread (kv_transfer/prepared.py), as the replica does;
 5. engine: submit with the prepared KV to first token (max_tokens 1, a fresh cache salt); the
@@ -12,8 +12,11 @@ Per request, timed from the question text:
 The total includes the rotation (the prepare stage); `baton bench memory`'s engine TTFT does not.
 Tiers (which cache holds the request's segments):
 - warm: this replica's own LRU (a user's later turn on the same replica);
-- pull: only the memory-store actor (a replica that has not served the user; pulled through Ray);
+- pull: only the memory-store actor (a replica that has not served the user): read over NIXL from
+  the store's registered arena by address (kv_transfer/segment_pull.py), as replicas do;
+- pull_ray: the same, with the segments copied through Ray instead (a replica without NIXL);
 - encode: neither (a user's first request after its facts were added: encoded on this engine).
+A pull-tier request that read nothing over NIXL fails the bench (it would time another path).
 Concurrency 1 gives the per-stage latencies; concurrency N (warm and pull) how the path holds up
 when N users ask at once.
 """
@@ -28,7 +31,7 @@ from typing import Any
 
 from baton.bench.stats import quantile
 
-TIERS = ("warm", "pull", "encode")
+TIERS = ("warm", "pull", "pull_ray", "encode")
 LOCAL_CAPACITY_BYTES = 4 << 30
 
 
@@ -47,6 +50,7 @@ class Timed:
     prepare_s: float
     engine_s: float
     injected_tokens: int
+    pulled_segments: int = 0  # read over NIXL from the store's arena
 
 
 async def one(runner: Any, renderer: Any, store: Any, resolver: Any, q: Question, k: int, window: int) -> Timed:
@@ -54,6 +58,7 @@ async def one(runner: Any, renderer: Any, store: Any, resolver: Any, q: Question
     from baton.engine.types import GenerationRequest, SamplingSpec
     from kv_transfer.segment_worker import prepare_injection
 
+    pulled_before = resolver.pulled_segments
     t0 = time.perf_counter()
     recall = await store.recall.remote(q.user, q.text, k, window)
     t1 = time.perf_counter()
@@ -71,7 +76,7 @@ async def one(runner: Any, renderer: Any, store: Any, resolver: Any, q: Question
         if first is None and d.token_ids:
             first = time.perf_counter()
     t5 = first or time.perf_counter()
-    return Timed(t5 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, cached)
+    return Timed(t5 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, cached, resolver.pulled_segments - pulled_before)
 
 
 def summarize(rows: Sequence[Timed], wall_s: float | None = None) -> dict[str, Any]:
@@ -81,6 +86,7 @@ def summarize(rows: Sequence[Timed], wall_s: float | None = None) -> dict[str, A
     for stage in ("recall_s", "layout_s", "resolve_s", "prepare_s", "engine_s"):
         out[f"{stage[:-2]}_p50_s"] = quantile([getattr(r, stage) for r in rows], 0.5)
     out["mean_injected_tokens"] = sum(r.injected_tokens for r in rows) / max(1, len(rows))
+    out["mean_pulled_segments"] = sum(r.pulled_segments for r in rows) / max(1, len(rows))
     if wall_s is not None:
         out["requests_per_s"] = len(rows) / wall_s
     return out
@@ -92,7 +98,15 @@ async def measure(runner: Any, renderer: Any, store: Any, questions: Sequence[Qu
     warm and pull `reps` times), then warm and pull at `concurrency`. The encode tier goes first for
     each question: its facts' segments then exist in the store (pull) and in the shared replica LRU
     (warm)."""
+    from kv_transfer.segment_pull import process_puller
     from memory_store.resolver import SegmentResolver
+
+    puller = process_puller()
+    if puller is None:
+        raise RuntimeError("NIXL cannot run in this process: the pull tier has nothing to measure")
+
+    def fresh(tier: str) -> SegmentResolver:  # a replica that has not served the user
+        return SegmentResolver(runner, store, LOCAL_CAPACITY_BYTES, puller=puller if tier == "pull" else None)
 
     res: dict[str, Any] = {}
     for k in ks:
@@ -105,30 +119,42 @@ async def measure(runner: Any, renderer: Any, store: Any, questions: Sequence[Qu
                     ids, m = await _layout(renderer, store, q, k, window)
                     await warm.resolve(ids, m)  # fills the warm LRU; what it encodes it offers to the store
                     await _stored(store, ids, m)
-                rows["pull"].append(await one(runner, renderer, store, SegmentResolver(runner, store, LOCAL_CAPACITY_BYTES), q, k, window))
+                for tier in ("pull", "pull_ray"):
+                    rows[tier].append(await one(runner, renderer, store, fresh(tier), q, k, window))
                 rows["warm"].append(await one(runner, renderer, store, warm, q, k, window))
         by_tier = {t: summarize(v) for t, v in rows.items()}
+        _check_pulled(rows["pull"])
         loaded: dict[str, Any] = {}
         for tier in ("warm", "pull"):
             sem = asyncio.Semaphore(concurrency)
 
             async def go(q: Question, tier: str = tier, sem: asyncio.Semaphore = sem, k: int = k, warm: Any = warm) -> Timed:
                 async with sem:
-                    r = warm if tier == "warm" else SegmentResolver(runner, store, LOCAL_CAPACITY_BYTES)
+                    r = warm if tier == "warm" else fresh(tier)
                     return await one(runner, renderer, store, r, q, k, window)
 
             batch = [q for _ in range(max(1, 2 * concurrency // max(1, len(questions)))) for q in questions]
             t0 = time.perf_counter()
             out = await asyncio.gather(*(go(q) for q in batch))
             loaded[tier] = summarize(out, time.perf_counter() - t0)
+            if tier == "pull":
+                _check_pulled(out)
         res[str(k)] = {"concurrency_1": by_tier, f"concurrency_{concurrency}": loaded}
         print(f"[memory] service k={k:>2}: TTFT p50 warm {by_tier['warm']['p50_s'] * 1000:.0f} ms, pull "
-              f"{by_tier['pull']['p50_s'] * 1000:.0f} ms, encode {by_tier['encode']['p50_s'] * 1000:.0f} ms "
-              f"(recall {by_tier['warm']['recall_p50_s'] * 1000:.0f}, pull's resolve {by_tier['pull']['resolve_p50_s'] * 1000:.0f}, "
+              f"{by_tier['pull']['p50_s'] * 1000:.0f} ms (through Ray {by_tier['pull_ray']['p50_s'] * 1000:.0f} ms), "
+              f"encode {by_tier['encode']['p50_s'] * 1000:.0f} ms (recall {by_tier['warm']['recall_p50_s'] * 1000:.0f}, "
+              f"pull's resolve {by_tier['pull']['resolve_p50_s'] * 1000:.0f}, through Ray {by_tier['pull_ray']['resolve_p50_s'] * 1000:.0f}, "
               f"prepare {by_tier['warm']['prepare_p50_s'] * 1000:.0f} ms); "
               f"at concurrency {concurrency}: warm p50 {loaded['warm']['p50_s'] * 1000:.0f} ms, "
               f"{loaded['warm']['requests_per_s']:.2f} req/s; pull p50 {loaded['pull']['p50_s'] * 1000:.0f} ms", flush=True)
     return res
+
+
+def _check_pulled(rows: Sequence[Timed]) -> None:
+    """Every pull-tier request must have read its segments over NIXL (else it timed another path)."""
+    missed = sum(1 for r in rows if r.pulled_segments == 0)
+    if missed:
+        raise RuntimeError(f"{missed} of {len(rows)} pull-tier requests read nothing over NIXL (see the resolver's warnings)")
 
 
 def _prompt(renderer: Any, q: Question, recall: Any, window: int) -> Any:

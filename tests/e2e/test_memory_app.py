@@ -66,7 +66,10 @@ def test_add_and_list_are_scoped_to_the_user(app: tuple[str, Path]) -> None:
 
 def test_kv_injection_serves_recalled_facts(app: tuple[str, Path]) -> None:
     url, _ = app
-    time.sleep(2)  # let the background precompute of the added facts run
+    # the facts' KV was precomputed on the decode replica in the background: wait for it, so the
+    # prefill replica below finds it in the memory store and reads it over NIXL
+    _wait_for_replica(url, "decode", lambda r: r.get("memory_encoded_tokens", 0) > 0)
+    time.sleep(1)  # its fire-and-forget put into the store
     kv = _chat(url, "alice", "What is Alice allergic to?", {"k": 3, "mode": "kv"}, session="mem-kv")
     assert kv.status_code == 200, kv.text
     prompt = _chat(url, "alice", "What is Alice allergic to?", {"k": 3, "mode": "prompt"}, session="mem-prompt")
@@ -84,16 +87,24 @@ def test_kv_injection_serves_recalled_facts(app: tuple[str, Path]) -> None:
             "max_tokens": 8, "temperature": 0, "user": "alice", "memories": {"k": 3, "mode": "kv"}}
     r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"x-session-id": "mem-kv"}, timeout=180)
     assert r.status_code == 200, r.text
-    # the prefill replica loaded KV prepared in its pull path (rotated and cast off the engine thread)
-    deadline = time.monotonic() + 30
-    while True:  # the replica reports every routing-stats period
-        reps = httpx.get(f"{url}/baton/stats", timeout=10).json()["replicas"]
-        prefill = [r for r in reps.values() if r["pool"] == "prefill"]
-        if prefill and prefill[0].get("segment_prepared_loads"):
-            break
-        assert time.monotonic() < deadline, prefill
-        time.sleep(1)
-    assert prefill[0]["segment_prepared_loads"] <= prefill[0]["segment_injections"]
+    # the prefill replica read the precomputed segments out of the store's arena over NIXL, and
+    # loaded KV prepared in its pull path (rotated and cast off the engine thread)
+    prefill = _wait_for_replica(url, "prefill", lambda r: r.get("segment_prepared_loads", 0) > 0)
+    assert prefill["segment_prepared_loads"] <= prefill["segment_injections"]
+    assert prefill["memory_pulled_segments"] > 0 and prefill["memory_pulled_bytes"] > 0, prefill
+    assert prefill["memory_pull_failures"] == 0, prefill
+
+
+def _wait_for_replica(url: str, pool: str, ready: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+    """The pool's (only) replica's /baton/stats entry once `ready(entry)`; replicas report every
+    routing-stats period."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reps = [r for r in httpx.get(f"{url}/baton/stats", timeout=10).json()["replicas"].values() if r["pool"] == pool]
+        if reps and ready(reps[0]):
+            return reps[0]
+        assert time.monotonic() < deadline, reps
+        time.sleep(0.5)
 
 
 def test_other_users_memories_are_unreachable(app: tuple[str, Path]) -> None:

@@ -79,7 +79,7 @@ def _report(kv50: float = 0.2, hit50: float = 0.1) -> tuple[dict, dict, dict]:
                 "kv_w0": {"top1_accuracy": acc / 2, "top1_agreement_with_prompt": agree / 2, "kl_to_prompt_mean": 2 * kl}}
 
     fidelity = {"10": modes(0.95, 0.05, 0.45), "50": modes(0.9, 0.1, 0.4)}
-    service = {k: {"concurrency_1": {"pull": {"p50_s": v}}} for k, v in (("5", 0.3), ("50", 0.6))}
+    service = {k: {"concurrency_1": {"pull": {"p50_s": v}, "pull_ray": {"p50_s": 3 * v}}} for k, v in (("5", 0.3), ("50", 0.9))}
     return by_k, fidelity, service
 
 
@@ -94,9 +94,17 @@ def test_result_line_from_a_report():
     assert r["ttft_speedup_k50"] == pytest.approx(10.0)
     assert r["top1_agreement_k50"] == 0.9 and r["kl_k50"] == 0.1 and r["kl_k50_w0"] == 0.2
     assert r["fidelity_ratio"] == pytest.approx(0.9)  # at k = 10: 0.45 / 0.5
-    assert r["service_ttft_growth_k50_over_k5"] == pytest.approx(2.0)
+    assert r["service_ttft_growth_k50_over_k5"] == pytest.approx(3.0)
+    assert r["service_ray_ttft_growth_k50_over_k5"] == pytest.approx(3.0)
 
 
 def test_result_fails_when_injection_grows_faster_than_a_cache_hit():
     r = memory.run_result(*_report(kv50=0.4, hit50=0.1))
     assert r["kv_over_hit_growth"] == pytest.approx(2.0)  # 4x against 2x
+
+
+def test_a_pull_tier_that_read_nothing_over_nixl_fails_the_bench():
+    ok = memory_service.Timed(0.1, 0.01, 0.001, 0.02, 0.004, 0.05, 100, pulled_segments=6)
+    memory_service._check_pulled([ok, ok])
+    with pytest.raises(RuntimeError, match="1 of 2 pull-tier requests"):
+        memory_service._check_pulled([ok, memory_service.Timed(0.1, 0.01, 0.001, 0.02, 0.004, 0.05, 100)])

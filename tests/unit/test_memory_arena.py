@@ -3,7 +3,6 @@ and MemoryService (memory_store/store.py) holding its segments in one: LRU evict
 extent fits, deletes freeing extents, copies out, integrity throughout."""
 from __future__ import annotations
 
-import contextlib
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,14 +199,16 @@ def test_check_integrity_detects_disagreement() -> None:
         a.check_integrity()
 
 
-@pytest.mark.xfail(strict=True, reason="SegmentArena.put allocates before pack() validates: a segment pack "
-                                       "rejects (0 tokens) raises and leaks its extent")
 def test_put_that_pack_rejects_leaks_no_extent() -> None:
     a = SegmentArena(2 * U, register=False)
     empty = KVSegment((), torch.zeros(1, 0, 2, 64), torch.zeros(1, 0, 2, 64, dtype=torch.bfloat16))  # a valid KVSegment
-    with contextlib.suppress(ValueError):
-        assert a.put(empty) is None
-    assert a._alloc.used_bytes == 0
+    with pytest.raises(ValueError):
+        a.put(empty)
+    # keys whose bytes do not end on a value-dtype boundary: refused while packing, after the allocation
+    odd = KVSegment((1,), torch.zeros(1, 1, 1, 1, dtype=torch.float16), torch.zeros(1, 1, 1, 1))
+    with pytest.raises(RuntimeError):
+        a.put(odd)
+    assert a._alloc.used_bytes == 0 and a.live_offsets() == set()
     a.check_integrity()
 
 
@@ -379,12 +380,11 @@ def test_service_refuses_values_that_are_not_kv_segments(tmp_path: Path) -> None
     svc.check_integrity()
 
 
-@pytest.mark.xfail(strict=True, reason="SegmentArena.put leaks the extent when pack() rejects the segment, so the "
-                                       "service's arena and cache disagree after a 0-token put")
 def test_service_put_of_a_zero_token_segment_leaves_the_arena_consistent(tmp_path: Path) -> None:
     arena = SegmentArena(2 * U, register=False)
     svc = make(tmp_path / "m.sqlite3", arena)
     empty = KVSegment((), torch.zeros(1, 0, 2, 64), torch.zeros(1, 0, 2, 64, dtype=torch.bfloat16))
-    with contextlib.suppress(ValueError):
-        svc.put_segments("alice", [(ak("empty"), empty, ())])
+    odd = KVSegment((1,), torch.zeros(1, 1, 1, 1, dtype=torch.float16), torch.zeros(1, 1, 1, 1))
+    assert svc.put_segments("alice", [(ak("empty"), empty, ()), (ak("odd"), odd, ())]) == 0  # not cached, no error
+    assert arena.live_offsets() == set() and svc.stats().items == 0
     svc.check_integrity()
