@@ -50,7 +50,7 @@ class SegmentArena:
         if lease_s <= 0:
             raise ValueError("lease_s must be positive")
         self._alloc = ExtentAllocator(capacity_bytes)
-        self._buf = torch.zeros(self._alloc.capacity, dtype=torch.uint8, device=device)  # touched: no faults on a put
+        self._buf = torch.empty(self._alloc.capacity, dtype=torch.uint8, device=device)  # host pages are taken as used
         self._lease_s = lease_s
         self._clock = clock
         self._live: dict[int, ArenaEntry] = {}

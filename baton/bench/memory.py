@@ -197,7 +197,7 @@ async def _main(quick: bool, out_dir: Path) -> dict[str, Any]:
     n_q, reps, concurrency = (10, 2, 4) if quick else (12, 2, 8)
     renderer = _Renderer(model_path)
     tmp = Path(tempfile.mkdtemp(prefix="baton-bench-memory-"))
-    cfg = MemoryConfig(max_k=64, segment_capacity_mb=4096)  # the store holds every segment of the run
+    cfg = MemoryConfig(max_k=64, segment_capacity_mb=2048)  # the store holds every segment of a question (LRU)
     svc = MemoryService(cfg, FactStore(tmp / "facts.sqlite3"), MiniLMEmbedder())
     users: list[tuple[str, list[Any]]] = []
     for name in convs:
