@@ -170,6 +170,31 @@ class ServeSegmentMetrics:
         self._published = now
 
 
+MEMORY_PULL_COUNTERS = {
+    "pulled_segments": "memory segments this replica read from the memory store's arena over NIXL",
+    "pulled_bytes": "bytes of memory KV read from the memory store's arena over NIXL",
+    "pull_failures": "reads from the memory store's arena that failed or outlived their lease (encoded instead)",
+}
+
+
+class ServeMemoryPullMetrics:
+    """This replica's memory-segment pulls (memory_store/resolver.py) as Prometheus counters
+    (`baton_memory_<counter>`), published as increments of the resolver's running totals."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        self._counters = {name: metrics.Counter(f"baton_memory_{name}", help_) for name, help_ in MEMORY_PULL_COUNTERS.items()}
+        self._published = dict.fromkeys(MEMORY_PULL_COUNTERS, 0)
+
+    def publish(self, totals: dict[str, int]) -> None:
+        for name in MEMORY_PULL_COUNTERS:
+            step = totals[name] - self._published[name]
+            if step > 0:  # a Ray counter refuses an increment of 0
+                self._counters[name].inc(step)
+                self._published[name] = totals[name]
+
+
 # ---- real-time sessions (deployments/realtime_api.py) ---------------------------------------------
 
 _TICK_BOUNDARIES_S = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0]

@@ -22,7 +22,7 @@ from baton.engine.runner import EngineRunner
 from baton.engine.types import EngineStats, EngineUnavailable, GenerationDelta, GenerationRequest, StageTimes
 from baton.engine.vllm_engine import engine_factory_for
 from deployments.log_guard import serve_logging_kept
-from deployments.metrics import ServeSegmentMetrics
+from deployments.metrics import ServeMemoryPullMetrics, ServeSegmentMetrics
 from deployments.replica_report import HeldConversations, replica_report
 from kv_transfer.ledger import process_ledger
 from kv_transfer.segment_stats import segment_stats
@@ -51,6 +51,7 @@ class EngineReplica:
             from memory_store.resolver import SegmentResolver
 
             self._resolver = SegmentResolver(self._runner, memory_store, memory_cache_bytes, puller=process_puller())
+            self._pull_metrics = ServeMemoryPullMetrics()
         self._realtime = RealtimeSessions(self._runner)
         self._rt_sessions = metrics.Gauge("baton_realtime_sessions", "live real-time sessions on this replica")
         self._rt_kv_bytes = metrics.Gauge("baton_realtime_held_kv_bytes", "host bytes of sink + window KV held for bounded sessions")
@@ -152,6 +153,8 @@ class EngineReplica:
         extra = seg.as_report()
         if self._resolver is not None:  # KV of deleted memory facts dropped from this replica's cache
             r = self._resolver
+            self._pull_metrics.publish({"pulled_segments": r.pulled_segments, "pulled_bytes": r.pulled_bytes,
+                                        "pull_failures": r.pull_failures})
             extra.update(memory_purged_segments=r.purged_segments, memory_encoded_tokens=r.encoded_tokens,
                          memory_pulled_segments=r.pulled_segments,
                          memory_pulled_bytes=r.pulled_bytes, memory_pull_failures=r.pull_failures)

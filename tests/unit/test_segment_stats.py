@@ -87,3 +87,29 @@ def test_every_counter_has_a_metric_and_increments_only_grow() -> None:
     assert segment_increments(later, later) == {}
     with pytest.raises(ValueError):
         segment_increments(later, first)  # totals never go down
+
+
+def test_memory_pull_metrics_publish_increments_and_never_zero(monkeypatch):
+    from ray.serve import metrics as serve_metrics
+
+    from deployments.metrics import MEMORY_PULL_COUNTERS, ServeMemoryPullMetrics
+
+    incs: list[tuple[str, float]] = []
+
+    class Counter:
+        def __init__(self, name: str, description: str = "") -> None:
+            self.name = name
+
+        def inc(self, value: float = 1.0) -> None:
+            if value <= 0:
+                raise ValueError("value must be >0")  # as Ray's counter does
+            incs.append((self.name, value))
+
+    monkeypatch.setattr(serve_metrics, "Counter", Counter)
+    m = ServeMemoryPullMetrics()
+    zero = dict.fromkeys(MEMORY_PULL_COUNTERS, 0)
+    m.publish(zero)
+    m.publish({**zero, "pulled_segments": 3, "pulled_bytes": 300})
+    m.publish({**zero, "pulled_segments": 5, "pulled_bytes": 300, "pull_failures": 1})
+    assert incs == [("baton_memory_pulled_segments", 3), ("baton_memory_pulled_bytes", 300),
+                    ("baton_memory_pulled_segments", 2), ("baton_memory_pull_failures", 1)]
