@@ -92,6 +92,10 @@ class SegmentArena:
         out a lease stay taken)."""
         return self._alloc.size_of(nbytes) <= self._alloc.capacity - self.waiting_bytes
 
+    def extent_bytes(self, nbytes: int) -> int:
+        """Length of the extent a segment of `nbytes` takes (what its ArenaEntry.nbytes will be)."""
+        return self._alloc.size_of(nbytes)
+
     def put(self, seg: KVSegment) -> ArenaEntry | None:
         """Copy `seg` into a free extent; None when no free extent is large enough (the caller
         evicts and retries, or does not cache it)."""

@@ -26,6 +26,10 @@ class MemoryConfig(BaseModel):
         "encoded (0 = the fact alone)."))
     segment_capacity_mb: int = Field(256, ge=1, description=(
         "Byte budget of the memory store's encoded-KV segment cache (one arena of this size)."))
+    user_segment_quota_mb: int | None = Field(None, ge=1, description=(
+        "Most of the segment cache one user's fact segments may take; a user over it loses its own "
+        "least recently used segments first, so one tenant cannot evict the others' (None = no quota; "
+        "shared anchor segments never count)."))
     segment_transport: Literal["nixl", "ray"] = Field("nixl", description=(
         "How engine replicas get segments from the store: nixl (read from the store's registered "
         "arena by address; falls back to ray when NIXL cannot start) or ray (copies through Ray)."))
@@ -49,6 +53,10 @@ class MemoryConfig(BaseModel):
     @property
     def segment_capacity_bytes(self) -> int:
         return self.segment_capacity_mb * 1024 * 1024
+
+    @property
+    def user_segment_quota_bytes(self) -> int | None:
+        return None if self.user_segment_quota_mb is None else self.user_segment_quota_mb * 1024 * 1024
 
     @property
     def replica_cache_bytes(self) -> int:

@@ -7,7 +7,9 @@ is testable in milliseconds with a fake embedder. It owns three things:
 - the encoded KV segments (memory_store/segment_cache.py, LRU by bytes): a cache only. An
   evicted or lost segment is encoded again by an engine replica when next needed. With an arena
   (memory_store/arena.py) their bytes live in one NIXL-registered buffer, and a lookup that asks
-  `by_ref` gets SegmentRefs to read them by instead of copies.
+  `by_ref` gets SegmentRefs to read them by instead of copies. A fact's segments are owned by its
+  user, anchors by no one (""): with `user_segment_quota_mb` a user past its quota loses its own
+  least recently used segments, not other users'.
 Every call names the user, and every fact it touches must be that user's (FactNotFound
 otherwise, the same answer for a foreign id as for an unknown one).
 
@@ -71,7 +73,7 @@ class MemoryService:
         self._arena = arena
         release = (lambda _k, entry: arena.release(entry)) if arena is not None else None
         capacity = arena.capacity_bytes if arena is not None else cfg.segment_capacity_bytes
-        self._segments = SegmentCache(capacity, on_remove=release)
+        self._segments = SegmentCache(capacity, on_remove=release, owner_quota_bytes=cfg.user_segment_quota_bytes)
         self._seg_lock = threading.Lock()  # SegmentCache and the arena are not thread-safe
 
     # ---- facts ------------------------------------------------------------------------------
@@ -162,7 +164,9 @@ class MemoryService:
 
     def put_segments(self, user: str, items: Sequence[tuple[SegmentKey, Any, Sequence[str]]]) -> int:
         """Store encoded segments (key, segment, ids of the context facts it was encoded after).
-        Segments of facts deleted meanwhile are dropped. Returns how many were stored."""
+        Segments of facts deleted meanwhile are dropped; fact segments count against the user's
+        quota, anchors against none. Returns how many were stored. Invariant: a segment the cache
+        refuses leaves no extent in the arena."""
         fact_ids = {k.fact_id for k, _, _ in items if k.kind == "fact"}
         stored = 0
         with self._seg_lock:
@@ -173,16 +177,24 @@ class MemoryService:
             for key, seg, ctx in items:
                 if key.kind == "fact" and (key.fact_id not in alive or not set(ctx) <= alive):
                     continue
-                value = seg if self._arena is None else self._into_arena(key, seg)
-                if value is not None:
-                    stored += self._segments.put(key, value, context=ctx).stored
+                owner = user if key.kind == "fact" else ""
+                value = seg if self._arena is None else self._into_arena(key, seg, owner)
+                if value is None:
+                    continue
+                if self._segments.put(key, value, context=ctx, owner=owner).stored:
+                    stored += 1
+                elif self._arena is not None:  # refused after the copy: its extent must not outlive it
+                    self._arena.release(value)
         return stored
 
-    def _into_arena(self, key: SegmentKey, seg: KVSegment) -> ArenaEntry | None:
+    def _into_arena(self, key: SegmentKey, seg: KVSegment, owner: str) -> ArenaEntry | None:
         """Copy a segment into the arena, evicting least recently used segments until a free extent
-        is large enough; None when it cannot fit (extents still leased, or too large)."""
+        is large enough; None when it cannot fit (extents still leased, too large, or over the
+        owner's quota: then nothing is evicted for it)."""
         assert self._arena is not None
         if not isinstance(seg, KVSegment) or not seg.num_tokens or not self._arena.fits(seg.nbytes):
+            return None
+        if not self._segments.fits(self._arena.extent_bytes(seg.nbytes), owner):
             return None
         self._segments.evict(key)  # a re-put replaces: its old extent is free space
         try:
