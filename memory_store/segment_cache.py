@@ -141,13 +141,7 @@ class SegmentCache:
         if self._over_quota(size, owner):
             return PutResult(stored=False, reason="over_quota")
         self._remove(key)
-        evicted = []
-        while self._over_quota(self.owner_bytes(owner) + size, owner):  # ends: size alone fits the quota
-            victim = next(iter(self._owned[owner]))
-            self._remove(victim)
-            self._evictions += 1
-            self._quota_evictions += 1
-            evicted.append(victim)
+        evicted = self.make_room_in_quota(owner, size)
         while self._bytes + size > self.capacity_bytes:
             victim = next(iter(self._items))
             self._remove(victim)
@@ -163,6 +157,20 @@ class SegmentCache:
         for fid in uses:
             self._deps.setdefault(fid, set()).add(key)
         return PutResult(stored=True, evicted=tuple(evicted))
+
+    def make_room_in_quota(self, owner: str, nbytes: int) -> list[SegmentKey]:
+        """Evict the owner's own least recently used items until `nbytes` more fit its quota
+        (counted as quota evictions); returns them. The caller has checked that nbytes alone
+        fits the quota (`fits`). The arena's put calls this before it evicts anyone else's
+        items for a contiguous extent."""
+        evicted = []
+        while self._owned.get(owner) and self._over_quota(self.owner_bytes(owner) + nbytes, owner):
+            victim = next(iter(self._owned[owner]))
+            self._remove(victim)
+            self._evictions += 1
+            self._quota_evictions += 1
+            evicted.append(victim)
+        return evicted
 
     def evict(self, key: SegmentKey) -> bool:
         """Remove key; False if it was not cached."""

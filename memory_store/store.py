@@ -197,6 +197,7 @@ class MemoryService:
         if not self._segments.fits(self._arena.extent_bytes(seg.nbytes), owner):
             return None
         self._segments.evict(key)  # a re-put replaces: its old extent is free space
+        self._segments.make_room_in_quota(owner, self._arena.extent_bytes(seg.nbytes))  # its own first
         try:
             while (entry := self._arena.put(seg)) is None:
                 if self._segments.evict_lru() is None:

@@ -254,3 +254,21 @@ def test_service_anchors_count_against_no_user(tmp_path: Path) -> None:
     cache = svc._segments
     assert (cache.owner_bytes(""), cache.owner_bytes("alice"), svc.stats().owners) == (2 * MiB, MiB, 2)
     svc.check_integrity()
+
+
+def test_service_arena_full_an_owner_at_its_quota_evicts_its_own_first(tmp_path: Path) -> None:
+    """The arena is full (alice 2, bob 2 at his quota, the rest shared anchors); bob's next segment
+    must push out bob's own LRU, not alice's (nor an anchor) for a free extent."""
+    arena = SegmentArena(5 * 96 * 4096, register=False)  # five 512-token extents
+    svc = make(tmp_path / "m.sqlite3", arena, user_segment_quota_mb=1)
+    alice = [f.id for f in svc.add("alice", ["a one", "a two"])]
+    bob = [f.id for f in svc.add("bob", ["b one", "b two", "b three"])]
+    assert svc.put_segments("alice", [(fk(f), kv(512, i), ()) for i, f in enumerate(alice)]) == 2
+    assert svc.put_segments("bob", [(fk(f), kv(512, 10 + i), ()) for i, f in enumerate(bob[:2])]) == 2
+    assert svc.put_segments("bob", [(ak("sys"), kv(512, 20), ())]) == 1
+    assert arena._alloc.largest_free == 0  # full
+    assert svc.put_segments("bob", [(fk(bob[2]), kv(512, 12), ())]) == 1
+    assert set(svc.get_segments("alice", [fk(f) for f in alice])) == {fk(f) for f in alice}
+    assert set(svc.get_segments("bob", [fk(f) for f in bob])) == {fk(bob[1]), fk(bob[2])}
+    assert ak("sys") in svc._segments and svc.stats().quota_evictions == 1 and svc.stats().evictions == 1
+    svc.check_integrity()
