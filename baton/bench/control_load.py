@@ -119,12 +119,18 @@ class _Window:
     def __init__(self, spec: LoadSpec):
         self.t0 = time.monotonic() + spec.warmup_s
         self.t1 = self.t0 + spec.duration_s
+        self.duration_s = spec.duration_s
         self.turns: list[TurnSample] = []
         self.last_end = self.t1
         self.warmup_turns = self.warmup_failures = 0
 
     def open(self) -> bool:
         return time.monotonic() < self.t1
+
+    def elapsed_s(self) -> float:
+        """Window start -> its last turn's end, never under the window (measured from t1: t1 - t0
+        in floating point can fall a hair short of duration_s)."""
+        return self.duration_s + max(0.0, self.last_end - self.t1)
 
     def record(self, started: float, ended: float, reply: _Reply, status: int | None, hops: dict[str, float]) -> None:
         if started < self.t0:
@@ -171,7 +177,7 @@ async def run_point(base_url: str, spec: LoadSpec, *, tag: str = "ctl", transpor
     async with httpx.AsyncClient(limits=limits, timeout=spec.request_timeout_s, transport=transport) as http:
         window = _Window(spec)
         await asyncio.gather(*(_client(http, url, spec, window, tag, i) for i in range(spec.concurrency)))
-    return PointLoad(turns=window.turns, elapsed_s=window.last_end - window.t0, warmup_turns=window.warmup_turns,
+    return PointLoad(turns=window.turns, elapsed_s=window.elapsed_s(), warmup_turns=window.warmup_turns,
                      warmup_failures=window.warmup_failures, client_cpu_s=time.process_time() - cpu0)
 
 
