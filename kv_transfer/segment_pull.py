@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kv_transfer.segment_refs import SegmentRef, unpack
@@ -78,8 +79,6 @@ class SegmentPuller:
             raise PullFailed(f"refs name {sorted(peers)}; exactly one known peer expected")
         t0 = time.monotonic()
         dst = [torch.empty(r.nbytes, dtype=torch.uint8, device=self._device) for r in refs]
-        import numpy as np
-
         remote = np.array([(r.addr, r.nbytes, r.device_id) for r in refs], dtype=np.uint64)
         reg = self._agent.register_memory(dst)
         handle = None

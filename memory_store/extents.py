@@ -61,6 +61,10 @@ class ExtentAllocator:
     def length(self, start: int) -> int:
         return self._used[start]
 
+    def __contains__(self, start: int) -> bool:
+        """Whether an allocated range starts at `start`."""
+        return start in self._used
+
     @property
     def used_bytes(self) -> int:
         return sum(self._used.values())

@@ -194,10 +194,11 @@ class MemoryService:
         assert self._arena is not None
         if not isinstance(seg, KVSegment) or not seg.num_tokens or not self._arena.fits(seg.nbytes):
             return None
-        if not self._segments.fits(self._arena.extent_bytes(seg.nbytes), owner):
+        extent = self._arena.extent_bytes(seg.nbytes)
+        if not self._segments.fits(extent, owner):
             return None
         self._segments.evict(key)  # a re-put replaces: its old extent is free space
-        self._segments.make_room_in_quota(owner, self._arena.extent_bytes(seg.nbytes))  # its own first
+        self._segments.make_room_in_quota(owner, extent)  # its own first
         try:
             while (entry := self._arena.put(seg)) is None:
                 if self._segments.evict_lru() is None:
