@@ -158,6 +158,11 @@ class RoutingConfig(_Strict):
     kv_weight: float = Field(1.0, ge=0, description="weight of KV occupancy in load-based placement")
     prefill_token_weight: float = Field(1.0 / 8192, ge=0, description="load score per queued prefill token")
     replica_stale_after_s: float = Field(10.0, gt=0, description="a replica that has not reported this long is not placed on")
+    pin_cache_sync_s: float = Field(
+        0.5, ge=0, le=10.0, description="pinning policies: each ingress keeps the pins the directory gave it and serves a "
+        "pinned conversation's later turns without asking the directory, syncing with it this often (the turns it served, "
+        "the pins that changed elsewhere, the live decoders; router/pin_cache.py); a pin is used only while the last sync "
+        "is at most two periods old. 0: every turn asks the directory")
     ownership_db_path: str = Field(
         ".cache/baton/conversations.sqlite3", min_length=1,
         description="SQLite file recording who owns each conversation (survives directory and cluster restarts); "
