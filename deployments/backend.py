@@ -28,6 +28,7 @@ from baton.engine.types import (
     StageTimes,
 )
 from deployments.metrics import ResumeMetrics
+from deployments.pin_sync import PinSyncer
 from deployments.resume import ReplayDiverged, ReplaySplice, ResumeOutcome, ResumePlan, client_delta, finish_delta, plan_resume
 from deployments.turn_placement import Placement
 from router.directory_state import ForeignConversation, PinsRebuilding
@@ -82,15 +83,21 @@ class PoolBackend:
 
     load_hint: given each plan (its `pool_queueing` and `pool_in_flight`: the directory's view of
     the pools, router/policy.TurnPlan), for the ingress's adaptive admission; no extra directory
-    call."""
+    call.
+
+    pins: this ingress's cache of the directory's pins (deployments/pin_sync.py): a pinned
+    conversation's turn is planned from it when it can be (router/pin_cache.py), else by the
+    directory, whose answer refills it. A decoder that fails here drops its cached pins; a turn
+    that ran elsewhere than planned drops its conversation's."""
 
     def __init__(self, decode: Any, prefill: Any | None = None, directory: Any | None = None, resumes: ResumeMetrics | None = None,
-                 load_hint: Callable[[TurnPlan], None] | None = None):
+                 load_hint: Callable[[TurnPlan], None] | None = None, pins: PinSyncer | None = None):
         self._decode = decode
         self._prefill = prefill
         self._directory = directory
         self._resumes = resumes
         self._load_hint = load_hint
+        self._pins = pins if directory is not None else None
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         delivered: list[int] = []  # token ids the client has, in order
@@ -113,6 +120,8 @@ class PoolBackend:
                             if first:
                                 first = False
                                 if delta.replica and delta.replica != target:
+                                    if self._pins is not None:
+                                        self._pins.cache.forget(request.session_id)
                                     await self._tell_directory("served", request.session_id, delta.replica)
                             if splice is not None:
                                 spliced = splice.feed(delta)
@@ -133,6 +142,8 @@ class PoolBackend:
                     raise ReplicaLost(f"the engine replica died while serving the request, and its replay diverged ({e})") from None
                 except ReplicaLost:
                     if target is not None:
+                        if self._pins is not None:
+                            self._pins.cache.forget_decoder(target)
                         await self._tell_directory("replica_failed", target)
                     if not yielded and target is not None and not replaced:
                         replaced = True
@@ -206,10 +217,15 @@ class PoolBackend:
         for (NoReplicaAvailable comes after the check), is placed by load."""
         if self._directory is None:
             return Placement.by_load()
+        n = len(request.prompt_token_ids)
+        if self._pins is not None:
+            self._pins.start()
+            cached = self._pins.cache.plan(request.session_id, request.user, n)
+            if cached is not None:
+                return self._placed(cached, request)
         try:
-            plan = await asyncio.wait_for(
-                self._directory.route.remote(request.session_id, request.user, len(request.prompt_token_ids)), DIRECTORY_TIMEOUT_S
-            )
+            via = {"via": self._pins.ingress_id} if self._pins is not None else {}
+            plan = await asyncio.wait_for(self._directory.route.remote(request.session_id, request.user, n, **via), DIRECTORY_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the directory's placement is advice; its owner check is not
             cause = getattr(e, "cause", None) or e
             if isinstance(cause, ForeignConversation):
@@ -223,9 +239,22 @@ class PoolBackend:
                 ) from None
             logger.warning("conversation directory could not place %s (%s); placing by load", request.request_id, type(e).__name__)
             return Placement.by_load()
+        if self._pins is not None:
+            self._pins.cache.remember(request.session_id, request.user, plan, n)
+        return self._placed(plan, request)
+
+    def _placed(self, plan: TurnPlan, request: GenerationRequest) -> Placement:
         if self._load_hint is not None:
             self._load_hint(plan)
         return Placement.of(plan, prefill_pool=self._prefill is not None, in_conversation=bool(request.session_id))
+
+    async def flush_pins(self) -> None:
+        """This ingress's cached turns reach the directory now (before it is read)."""
+        if self._pins is not None:
+            await self._pins.flush()
+
+    def pin_cache_snapshot(self) -> dict[str, Any] | None:
+        return self._pins.cache.snapshot() if self._pins is not None else None
 
     async def _remote_prefill(self, request: GenerationRequest, target: str | None = None) -> dict[str, Any] | None:
         """Prefill on the prefill pool (on `target`, the directory's choice, when it is alive);

@@ -20,11 +20,14 @@ from deployments.input_limits import InputLimits
 from deployments.memory_api import MemoryFrontend
 from deployments.metrics import ServeIngressMetrics, ServeRealtimeMetrics
 from deployments.openai_api import api_keys_from_env, build_openai_app
+from deployments.pin_sync import PinSyncer
 from deployments.realtime_api import RealtimeFrontend
 from deployments.salt import PrefixCacheScope
 from deployments.tool_calls import ToolCalling
 from memory_store.config import MemoryConfig
 from router.chat_admission import ChatAdmissionConfig
+from router.pin_cache import PinCache
+from router.policy import DEFAULT_CONDITIONAL_PD_THRESHOLD_TOKENS, Policy
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class IngressSettings:
     prefix_cache: PrefixCacheScope = "tenant"  # which requests may share prefix-cache KV (deployments/salt.py)
     tool_call_parser: str | None = None  # vLLM's tool parser for this model (None: no tool calling)
     chat_template: str | None = None  # absolute path of a template that replaces the model's (None: its own)
+    policy: Policy = "conversation"  # the routing policy (the pin cache plans only under pinning ones)
+    pin_cache_sync_s: float = 0.0  # routing.pin_cache_sync_s: 0, every turn asks the directory
+    conditional_pd_threshold_tokens: int = DEFAULT_CONDITIONAL_PD_THRESHOLD_TOKENS
 
 
 @serve.deployment(name="ingress")
@@ -62,11 +68,14 @@ class Ingress:
             self._realtime = RealtimeFrontend(settings.realtime, decode, directory, renderer, ServeRealtimeMetrics())
         self._metrics = ServeIngressMetrics()
         self._admission = InflightLimit(settings.max_inflight_requests, settings.admission, metrics=self._metrics)
+        pins = PinSyncer(PinCache(settings.policy, settings.pin_cache_sync_s, threshold_tokens=settings.conditional_pd_threshold_tokens),
+                         directory)
+        self._backend = PoolBackend(decode, prefill if settings.disaggregated else None, directory, resumes=self._metrics,
+                                    load_hint=self._admission.note_pool, pins=pins if pins.cache.enabled else None)
         self._frontend = OpenAIFrontend(
             model_id=settings.model_id,
             renderer=renderer,
-            backend=PoolBackend(decode, prefill if settings.disaggregated else None, directory, resumes=self._metrics,
-                                load_hint=self._admission.note_pool),
+            backend=self._backend,
             max_model_len=settings.max_model_len,
             default_max_tokens=settings.default_max_tokens,
             metrics=self._metrics,
@@ -108,7 +117,10 @@ class Ingress:
         async for f in self._grpc.realtime(request_stream, grpc_context):
             yield f
 
-    async def _stats(self) -> dict[str, Any]:
+    async def _stats(self, flush: bool = True) -> dict[str, Any]:
+        """The directory's snapshot; `flush`: after this ingress's cached turns reached it."""
+        if flush:
+            await self._backend.flush_pins()
         return await asyncio.wait_for(self._directory.snapshot.remote(), timeout=5.0)
 
     async def _public_stats(self) -> dict[str, Any]:
@@ -116,24 +128,27 @@ class Ingress:
         (by outcome; each ingress replica counts its own, deployments/resume.py), and this
         replica's chat admission (mode, current limit, counts; deployments/inflight.py), and its
         real-time sessions (live, AIMD cap, overload mode, sessions shed; deployments/realtime_api.py)."""
-        ingress: dict[str, Any] = {"stream_resumes": dict(self._metrics.resume_totals), "admission": self._admission.snapshot()}
+        ingress: dict[str, Any] = {"stream_resumes": dict(self._metrics.resume_totals), "admission": self._admission.snapshot(),
+                                   "pin_cache": self._backend.pin_cache_snapshot()}
         if self._realtime is not None:
             ingress["realtime"] = self._realtime.snapshot()
         return {**await self._stats(), "ingress": ingress}
 
     async def _end_conversation(self, session_id: str, user: str | None) -> bool:
         """DELETE /v1/conversations/{id}: the directory checks the owner, drops the pin and the ownership."""
+        await self._backend.flush_pins()
         return await asyncio.wait_for(self._directory.end_conversation.remote(session_id, user), timeout=5.0)
 
     async def _describe_conversation(self, session_id: str, user: str | None) -> dict[str, Any] | None:
         """GET /v1/conversations/{id}: the directory checks the owner and describes the pin."""
+        await self._backend.flush_pins()
         return await asyncio.wait_for(self._directory.describe_conversation.remote(session_id, user), timeout=5.0)
 
     async def _health(self) -> dict[str, Any]:
         """ok when the directory sees a live decode replica (and a prefill replica where the
         policy needs one); engines report to the directory every routing-stats period."""
         try:
-            snap = await self._stats()
+            snap = await self._stats(flush=False)
         except Exception as e:  # noqa: BLE001 - a health probe reports, it does not raise
             return {"status": "unavailable", "model": self._frontend.model_id, "error": f"directory: {type(e).__name__}"}
         live = {"prefill": 0, "decode": 0}

@@ -1,6 +1,9 @@
 """The conversation directory: ONE Serve replica that every ingress replica asks where a turn
 goes, and every engine replica reports to. Because it is a single replica that handles one call
-at a time, two ingress replicas can never pin one conversation to two decoders.
+at a time, two ingress replicas can never pin one conversation to two decoders. Ingresses plan a
+pinned conversation's later turns from their own cache of its pins and sync with the directory
+every `routing.pin_cache_sync_s` (router/pin_cache.py), so the directory is asked on first turns,
+moves and misses, not on every turn.
 
 Conversation ownership is kept in a SQLite file (`routing.ownership_db_path`, router/ownership.py),
 so a restarted directory still refuses one user's session id to another; its pins come back from
@@ -17,6 +20,7 @@ from ray.serve import metrics
 
 from router.directory_state import DirectorySettings, DirectoryState
 from router.ownership import KnownOwners, OwnershipStore
+from router.pin_cache import PinSync, Touch
 from router.policy import TurnPlan
 from router.report import ReplicaReport
 
@@ -85,13 +89,14 @@ class ConversationDirectory:
                 self._growth.set(forecast.growth_tokens_per_s, tags=tags)
 
     async def route(self, session_id: str | None, user: str | None, prompt_tokens: int, *, owned: bool = True,
-                    cliff_horizon_s: float | None = None) -> TurnPlan:
+                    cliff_horizon_s: float | None = None, via: str | None = None) -> TurnPlan:
         """owned=False: a session whose id the server made and whose connection is its only key
         (a real-time WebSocket): pinned like a conversation, never written to the ownership store.
-        cliff_horizon_s: a new session avoids decoders whose KV cliff is that close (real-time)."""
+        cliff_horizon_s: a new session avoids decoders whose KV cliff is that close (real-time).
+        via: the asking ingress's pin cache (router/pin_cache.py)."""
         self._ensure_expiry()
         before, fallbacks = self._state.totals["conversations"], self._state.totals["prefill_fallback_local"]
-        plan = self._state.route(session_id, user, prompt_tokens, time.monotonic(), owned=owned, cliff_horizon_s=cliff_horizon_s)
+        plan = self._state.route(session_id, user, prompt_tokens, time.monotonic(), owned=owned, cliff_horizon_s=cliff_horizon_s, via=via)
         if self._state.totals["conversations"] > before:
             self._conversations.inc()
         if self._state.totals["prefill_fallback_local"] > fallbacks:
@@ -100,6 +105,11 @@ class ConversationDirectory:
             self._handoffs.inc()
         self._live_pins.set(sum(self._state.pinned_counts().values()))
         return plan
+
+    async def sync(self, via: str, incarnation: str | None, after_seq: int, touches: list[Touch]) -> PinSync:
+        """An ingress's pin cache: record the turns it planned, answer what changed elsewhere (router/pin_cache.py)."""
+        self._ensure_expiry()
+        return self._state.sync(via, incarnation, after_seq, touches, time.monotonic())
 
     async def served(self, session_id: str | None, replica_id: str) -> None:
         self._state.served(session_id, replica_id, time.monotonic())

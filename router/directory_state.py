@@ -7,6 +7,9 @@ is durable (SQLite) and holds after pin expiry and directory restarts, until the
 conversation (`end_conversation`). Every turn with a session id is checked (and a new id
 claimed) before it is placed.
 
+Ingresses cache pins (router/pin_cache.py): pin changes are logged (router/pin_log.py), and the
+turns an ingress planned from its cache come back as touches, recorded like routed turns.
+
 Pins survive a directory restart through the decoders: each reports the conversations it served
 lately (ReplicaReport.conversations) and a fresh directory adopts a pin for each conversation it
 has none for, so returning conversations go back to their decoder ("pinned", no second handoff).
@@ -15,22 +18,27 @@ Invariants (check_integrity):
 - every pin has a non-empty session id, last_seen >= created, turns >= 1, handoffs >= 0;
 - at most max_conversations pins; unreported load is never negative and only on known replicas;
 - a pin's user agrees with the conversation's owner wherever the owner is cached;
+- the pin change log is in order (router/pin_log.py);
 - (by construction) a replica marked failed is not live until it reports again after stale_after_s.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 from router.cliff import CliffForecast, forecast_cliff, within_horizon
 from router.conversation_info import ConversationInfo
 from router.directory_loads import decoder_loads, prefill_loads
+from router.directory_types import DirectorySettings, Pin, Reported
 from router.ownership import Claim, KnownOwners, OwnershipStore
+from router.pin_cache import PinSync, Touch
+from router.pin_log import PinChangeLog, record_touch
 from router.placement import choose_prefill, decoder_idle
-from router.policy import DEFAULT_CONDITIONAL_PD_THRESHOLD_TOKENS, DISAGGREGATED, PINNING, NoReplicaAvailable, Policy, TurnPlan, plan_turn
+from router.policy import DISAGGREGATED, PINNING, NoReplicaAvailable, TurnPlan, plan_turn
 from router.report import ReplicaReport
-from router.scoring import LoadWeights, ReplicaLoad
+from router.scoring import ReplicaLoad
 
 
 class PinsRebuilding(RuntimeError):
@@ -41,43 +49,6 @@ class PinsRebuilding(RuntimeError):
 
 class ForeignConversation(LookupError):
     """The session id names a conversation opened by another user (answered like an unknown one)."""
-
-
-@dataclass(frozen=True)
-class Reported:
-    """A replica's latest report and when the directory received it."""
-
-    report: ReplicaReport
-    at: float
-
-
-@dataclass
-class Pin:
-    decoder: str
-    user: str | None
-    created: float
-    last_seen: float
-    turns: int = 1
-    handoffs: int = 0
-    adopted: bool = False  # rebuilt from a decoder's report; no turn placed by this directory yet
-    prompt_tokens: int = 0  # the last turn's prompt: the context whose KV the decoder was asked to hold
-
-
-@dataclass(frozen=True)
-class DirectorySettings:
-    policy: Policy = "colocated"
-    conversation_ttl_s: float = 1800.0
-    stale_after_s: float = 10.0  # a replica silent this long is not live
-    weights: LoadWeights = field(default_factory=LoadWeights)
-    max_conversations: int = 1_000_000
-    # after a (re)start, how long an existing conversation without a pin waits for the decoders'
-    # reports to restore it (about two report periods); 0 places it at once
-    rebuild_grace_s: float = 0.0
-    # conditional_pd: prefill remotely only when the uncached suffix is longer (router/policy.py)
-    conditional_pd_threshold_tokens: int = DEFAULT_CONDITIONAL_PD_THRESHOLD_TOKENS
-    # every prefill replica has more prompt tokens queued than this while the decoder is idle:
-    # the decoder prefills the turn itself (totals["prefill_fallback_local"])
-    prefill_queue_limit_tokens: int = 16384
 
 
 class DirectoryState:
@@ -93,6 +64,7 @@ class DirectoryState:
         # turns routed to a replica since its last report: the report does not show them yet
         self._unreported: dict[str, tuple[int, int]] = {}  # replica -> (turns, prompt tokens)
         self.totals: Counter[str] = Counter()
+        self.changes = PinChangeLog()  # for the ingresses' pin caches
 
     # ---- replicas ------------------------------------------------------------------------
     def report(self, report: ReplicaReport, now: float) -> None:
@@ -125,6 +97,7 @@ class DirectoryState:
             if owner is None:
                 continue
             self._pins[sid] = Pin(report.replica_id, owner or None, seen, seen, adopted=True)
+            self._changed(sid)
             self.totals["pins_adopted"] += 1
 
     def _is_live(self, r: Reported, now: float) -> bool:
@@ -167,14 +140,15 @@ class DirectoryState:
 
     # ---- turns ----------------------------------------------------------------------------
     def route(self, session_id: str | None, user: str | None, prompt_tokens: int, now: float, *, owned: bool = True,
-              cliff_horizon_s: float | None = None) -> TurnPlan:
+              cliff_horizon_s: float | None = None, via: str | None = None) -> TurnPlan:
         """Plan a turn and record it: the pin is created (or moved) before the turn runs, so two
         ingress replicas asking at once for one new conversation get the same decoder.
         Ownership is checked (a new session id claimed for `user`) before placement, so a
         NoReplicaAvailable from here means the caller does own the conversation.
         Raises ForeignConversation when the session id belongs to another user. owned=False skips
         the ownership store (server-made ids of real-time sessions: their connection is the key).
-        cliff_horizon_s: a new session avoids decoders whose KV cliff is closer than this, while any other is live."""
+        cliff_horizon_s: a new session avoids decoders whose KV cliff is closer than this, while any other is live.
+        via: the asking ingress's pin cache (its own change is not sent back to it)."""
         s = self.settings
         session_id = session_id or None
         claim = self._owners.claim(session_id, user) if owned and session_id is not None else None
@@ -219,10 +193,12 @@ class DirectoryState:
             self.totals["planned_handoffs"] += 1
         if session_id is not None:
             self._record(session_id, user, plan, now, prompt_tokens)
+            self._changed(session_id, via)
             plan = replace(plan, turn_index=self._pins[session_id].turns - 1)
         decoders = self.live("decode", now)
         return replace(plan, pool_queueing=bool(decoders) and all(r.num_waiting > 0 for r in decoders),
-                       pool_in_flight=self.pool_in_flight(now), cliff_eta_s=self.cliff_eta(plan.decode_replica, now))
+                       pool_in_flight=self.pool_in_flight(now), cliff_eta_s=self.cliff_eta(plan.decode_replica, now),
+                       incarnation=self.changes.incarnation, pin_seq=self.changes.seq)
 
     def pool_in_flight(self, now: float) -> int:
         """Requests the live decoders reported serving, plus the turns placed on them since their
@@ -250,6 +226,7 @@ class DirectoryState:
         pin = self._pins.get(session_id) if session_id else None
         if pin is not None and pin.decoder != replica_id:
             pin.decoder = replica_id
+            self._changed(session_id)
             self.totals["pin_moved_by_fallback"] += 1
         if pin is not None:
             pin.last_seen = now
@@ -280,6 +257,7 @@ class DirectoryState:
         if not self._owners.forget(session_id, user):
             return False
         self._pins.pop(session_id, None)
+        self._changed(session_id)
         self.totals["ended"] += 1
         return True
 
@@ -289,13 +267,33 @@ class DirectoryState:
         gone = [sid for sid, p in self._pins.items() if now - p.last_seen > ttl]
         for sid in gone:
             del self._pins[sid]
+            self._changed(sid)
         self.totals["expired"] += len(gone)
         return gone
 
     def _evict_oldest(self) -> None:
         oldest = min(self._pins, key=lambda s: self._pins[s].last_seen)
         del self._pins[oldest]
+        self._changed(oldest)
         self.totals["evicted"] += 1
+
+    # ---- ingress pin caches -------------------------------------------------------------------
+    def _changed(self, session_id: str, via: str | None = None) -> None:
+        self.changes.changed(session_id, via)
+
+    def sync(self, via: str, incarnation: str | None, after_seq: int, touches: Iterable[Touch], now: float) -> PinSync:
+        """An ingress's pin cache: record its touches; answer the changes since `after_seq`, the live decoders, the load."""
+        for t in touches:
+            if record_touch(self._pins.get(t.session_id), t, now):
+                self._changed(t.session_id, via)
+                self.totals.update(("turns", "plan_pinned_at_ingress"))
+            else:
+                self.totals["pin_touches_stale"] += 1
+        changed, reset = self.changes.since(via, incarnation, after_seq)
+        decoders = self.live("decode", now)
+        self.totals["pin_syncs"] += 1
+        return PinSync(self.changes.incarnation, self.changes.seq, changed, reset, tuple(sorted(r.replica_id for r in decoders)),
+                       pool_queueing=bool(decoders) and all(r.num_waiting > 0 for r in decoders), pool_in_flight=self.pool_in_flight(now))
 
     def pin_of(self, session_id: str) -> Pin | None:
         p = self._pins.get(session_id)
@@ -342,6 +340,7 @@ class DirectoryState:
             owner = self._owners.cached(sid)
             if owner is not None and (p.user or "") != owner:
                 raise AssertionError(f"pin {sid!r} is for {p.user!r} but the conversation is {owner!r}'s")
+        self.changes.check_integrity()
 
 
 __all__ = ["DirectorySettings", "DirectoryState", "NoReplicaAvailable", "Pin", "Reported"]

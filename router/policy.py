@@ -64,6 +64,10 @@ class TurnPlan:
     prefill_replica: str | None = field(default=None, compare=False)
     # a new conversation placed on a decoder its prompt overflows: no live decoder had room
     kv_overflow: bool = field(default=False, compare=False)
+    # the directory that planned it and its latest pin change then (router/pin_log.py): where an
+    # ingress's pin cache starts from (router/pin_cache.py); None: not from a directory
+    incarnation: str | None = field(default=None, compare=False)
+    pin_seq: int = field(default=0, compare=False)
 
 
 class NoReplicaAvailable(RuntimeError):

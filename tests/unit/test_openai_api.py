@@ -167,7 +167,7 @@ def ingress_health(directory: FakeDirectory, disaggregated: bool) -> dict[str, A
         _settings=IngressSettings(model_id="m", model_path="/m", max_model_len=64, default_max_tokens=16, disaggregated=disaggregated),
         _frontend=SimpleNamespace(model_id="m"),
     )
-    ingress._stats = lambda: cls._stats(ingress)
+    ingress._stats = lambda flush=True: cls._stats(ingress, flush)
     return asyncio.run(cls._health(ingress))
 
 

@@ -1,0 +1,65 @@
+"""The ingress's side of the pin cache (router/pin_cache.py): a background task that syncs the
+cache with the conversation directory every period, and `flush` for the calls that must see this
+ingress's own turns first (GET/DELETE of a conversation, /baton/stats).
+
+A sync that fails or times out gives its touches back to the next one; after two periods without
+a sync the cache plans nothing (every turn asks the directory, which fails closed on its own
+terms), so a directory that is down never leaves a stale cache in use. The task starts with the
+first turn (an event loop is running then) and is cancelled with the replica."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+from router.pin_cache import PinCache
+
+logger = logging.getLogger("ray.serve")
+
+SYNC_TIMEOUT_S = 5.0
+
+
+class PinSyncer:
+    def __init__(self, cache: PinCache, directory: Any):
+        self.cache = cache
+        self.ingress_id = uuid.uuid4().hex  # this cache's name in the directory's change log
+        self._directory = directory
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self._failing = False  # log a run of failed syncs once, not every period
+
+    def start(self) -> None:
+        """Idempotent; call from a coroutine (needs the running loop)."""
+        if self._task is None and self.cache.enabled:
+            self._task = asyncio.get_running_loop().create_task(self._forever())
+
+    async def _forever(self) -> None:
+        while True:
+            await self.sync_once()
+            await asyncio.sleep(self.cache.sync_period_s)
+
+    async def sync_once(self) -> bool:
+        """One sync; False when the directory did not answer (its touches wait for the next)."""
+        async with self._lock:
+            incarnation, seq = self.cache.sync_args()
+            touches = self.cache.take_touches()
+            try:
+                reply = await asyncio.wait_for(self._directory.sync.remote(self.ingress_id, incarnation, seq, touches), SYNC_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - the cache goes stale and stops planning; turns ask the directory
+                self.cache.give_back(touches)
+                if not self._failing:
+                    logger.warning("pin cache sync with the directory failed (%s); %d touches kept for the next, every turn asks "
+                                   "the directory until a sync succeeds", type(e).__name__, len(touches))
+                self._failing = True
+                return False
+            if self._failing:
+                logger.info("pin cache sync with the directory works again")
+            self._failing = False
+            self.cache.apply(reply, asked=(incarnation, seq))
+            return True
+
+    async def flush(self) -> None:
+        """Send this ingress's pending turns now (before a read of the directory's state)."""
+        if self.cache.enabled:
+            await self.sync_once()

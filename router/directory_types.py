@@ -1,0 +1,45 @@
+"""The conversation directory's settings and records (router/directory_state.py keeps them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router.policy import DEFAULT_CONDITIONAL_PD_THRESHOLD_TOKENS, Policy
+from router.report import ReplicaReport
+from router.scoring import LoadWeights
+
+
+@dataclass(frozen=True)
+class Reported:
+    """A replica's latest report and when the directory received it."""
+
+    report: ReplicaReport
+    at: float
+
+
+@dataclass
+class Pin:
+    decoder: str
+    user: str | None
+    created: float
+    last_seen: float
+    turns: int = 1
+    handoffs: int = 0
+    adopted: bool = False  # rebuilt from a decoder's report; no turn placed by this directory yet
+    prompt_tokens: int = 0  # the last turn's prompt: the context whose KV the decoder was asked to hold
+
+
+@dataclass(frozen=True)
+class DirectorySettings:
+    policy: Policy = "colocated"
+    conversation_ttl_s: float = 1800.0
+    stale_after_s: float = 10.0  # a replica silent this long is not live
+    weights: LoadWeights = field(default_factory=LoadWeights)
+    max_conversations: int = 1_000_000
+    # after a (re)start, how long an existing conversation without a pin waits for the decoders'
+    # reports to restore it (about two report periods); 0 places it at once
+    rebuild_grace_s: float = 0.0
+    # conditional_pd: prefill remotely only when the uncached suffix is longer (router/policy.py)
+    conditional_pd_threshold_tokens: int = DEFAULT_CONDITIONAL_PD_THRESHOLD_TOKENS
+    # every prefill replica has more prompt tokens queued than this while the decoder is idle:
+    # the decoder prefills the turn itself (totals["prefill_fallback_local"])
+    prefill_queue_limit_tokens: int = 16384
