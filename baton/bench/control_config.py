@@ -1,5 +1,6 @@
-"""What the control-plane bench (baton/bench/control.py) runs: its sweep, and the Baton config of
-one fleet size, built from cluster_configs/local_simulated.yaml's application args."""
+"""What the control-plane bench (baton/bench/control.py) runs: its sweep, the variants it compares
+at each fleet size (the ingress pin cache off and on) and the order it runs them in, and the Baton
+config of one (size, variant), built from cluster_configs/local_simulated.yaml's application args."""
 from __future__ import annotations
 
 import copy
@@ -37,8 +38,34 @@ def sweep(quick: bool) -> Sweep:
     return Sweep(replicas=(8, 32, 64, 128), concurrencies=(8, 32, 128), duration_s=45.0, warmup_s=5.0)
 
 
-def app_args(replicas: int, state_dir: Path, *, max_concurrency: int, time_scale: float = TIME_SCALE) -> dict[str, Any]:
-    """local_simulated.yaml's args with `replicas` decode replicas on the colocated policy.
+@dataclass(frozen=True)
+class Variant:
+    """One configuration compared at every fleet size: routing.pin_cache_sync_s (0: every turn
+    asks the conversation directory; > 0: each ingress caches the pins it was given and syncs
+    with the directory this often, router/pin_cache.py)."""
+
+    name: str
+    pin_cache_sync_s: float
+
+
+NO_PIN_CACHE = Variant("no_pin_cache", 0.0)
+PIN_CACHE = Variant("pin_cache", 0.5)  # the config's default (routing.pin_cache_sync_s)
+VARIANTS = (NO_PIN_CACHE, PIN_CACHE)
+
+
+def variant_order(size_index: int, variants: tuple[Variant, ...] = VARIANTS) -> tuple[Variant, ...]:
+    """The order the variants run in at the size_index-th fleet size (0-based): as given at even
+    indexes, reversed at odd ones (8: off then on; 32: on then off; …), so neither always runs
+    first on a machine that warms up or fills up over the run."""
+    if size_index < 0:
+        raise ValueError("size_index >= 0")
+    return variants if size_index % 2 == 0 else variants[::-1]
+
+
+def app_args(replicas: int, state_dir: Path, *, max_concurrency: int, pin_cache_sync_s: float,
+             time_scale: float = TIME_SCALE) -> dict[str, Any]:
+    """local_simulated.yaml's args with `replicas` decode replicas on the colocated policy and the
+    ingress pin cache syncing every pin_cache_sync_s (0: off).
 
     colocated: whole requests on the decode pool, each conversation pinned to the replica the
     directory placed its first turn on; the prefill pool is off (0 replicas), so no turn waits
@@ -52,7 +79,8 @@ def app_args(replicas: int, state_dir: Path, *, max_concurrency: int, time_scale
     args = copy.deepcopy(doc["applications"][0]["args"])
     args["ingress"] = {**args["ingress"], "default_max_tokens": MAX_TOKENS,
                        "max_inflight_requests": 2 * max_concurrency, "max_ongoing_requests": 4 * max_concurrency}
-    args["routing"] = {**args["routing"], "policy": "colocated", "ownership_db_path": str(state_dir / "conversations.sqlite3")}
+    args["routing"] = {**args["routing"], "policy": "colocated", "ownership_db_path": str(state_dir / "conversations.sqlite3"),
+                       "pin_cache_sync_s": pin_cache_sync_s}
     args["prefill"] = {**args["prefill"], "num_replicas": 0}
     decode = args["decode"]
     engine = {**decode["engine"], "simulated": {**decode["engine"]["simulated"], "time_scale": time_scale}}

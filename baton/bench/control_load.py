@@ -11,7 +11,10 @@ Timeline of a point: [warm-up | measured window]. Turns started in the warm-up a
 (only counted); every turn started in the window is kept, ok or failed, and awaited to its end
 (bounded by request_timeout_s); no turn starts after the window. `elapsed_s` runs from the window's
 start to the end of its last turn, so decisions/s = ok turns / elapsed_s never credits a turn
-to a window it ran past.
+to a window it ran past. `on_window` (optional) is called with "start" at the window's start and
+"end" once the last turn started in it has ended (after every client stopped): the span that
+elapsed_s measures, for samplers of the server's CPU (control_cpu.py); `window_client_cpu_s` is
+this process's CPU over that same span, the hook's own work left out.
 
 A turn is ok when the response is 200 and its SSE stream ends with `[DONE]` with no error event;
 anything else (another status, an error event, a cut stream, an exception, a timeout) is a
@@ -22,8 +25,9 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -59,7 +63,11 @@ class PointLoad:
     elapsed_s: float  # window start -> its last turn's end
     warmup_turns: int
     warmup_failures: int
-    client_cpu_s: float  # this process's CPU time over the point (the client shares the server's cores)
+    client_cpu_s: float  # this process's CPU time over the point, warm-up included (the client shares the server's cores)
+    window_client_cpu_s: float  # this process's CPU time over the measured window only (on_window's span, its own work left out)
+
+
+WindowEdge = Literal["start", "end"]
 
 
 @dataclass(frozen=True)
@@ -168,17 +176,32 @@ async def _client(http: httpx.AsyncClient, url: str, spec: LoadSpec, window: _Wi
         conversation += 1
 
 
-async def run_point(base_url: str, spec: LoadSpec, *, tag: str = "ctl", transport: httpx.AsyncBaseTransport | None = None) -> PointLoad:
+async def _window_start(window: _Window, on_window: Callable[[WindowEdge], None]) -> float:
+    """Sleeps to the window's start, calls on_window("start"), returns this process's CPU clock after it."""
+    await asyncio.sleep(max(0.0, window.t0 - time.monotonic()))
+    on_window("start")
+    return time.process_time()
+
+
+async def run_point(base_url: str, spec: LoadSpec, *, tag: str = "ctl", transport: httpx.AsyncBaseTransport | None = None,
+                    on_window: Callable[[WindowEdge], None] | None = None) -> PointLoad:
     """Run one point against `base_url` (…/v1/chat/completions is posted to). transport: for
-    tests (httpx.MockTransport); session ids are `<tag>-c<client>-k<conversation>`."""
+    tests (httpx.MockTransport); session ids are `<tag>-c<client>-k<conversation>`; on_window:
+    see the module docstring (it runs on the event loop: the clients wait while it works)."""
+    hook = on_window or (lambda edge: None)
     limits = httpx.Limits(max_connections=spec.concurrency, max_keepalive_connections=spec.concurrency)
     url = f"{base_url.rstrip('/')}/v1/chat/completions"
     cpu0 = time.process_time()
     async with httpx.AsyncClient(limits=limits, timeout=spec.request_timeout_s, transport=transport) as http:
         window = _Window(spec)
+        start = asyncio.create_task(_window_start(window, hook))
         await asyncio.gather(*(_client(http, url, spec, window, tag, i) for i in range(spec.concurrency)))
+        window_cpu0 = await start  # the clients run past the window's start: it has fired
+        window_cpu_s = time.process_time() - window_cpu0
+        hook("end")
     return PointLoad(turns=window.turns, elapsed_s=window.elapsed_s(), warmup_turns=window.warmup_turns,
-                     warmup_failures=window.warmup_failures, client_cpu_s=time.process_time() - cpu0)
+                     warmup_failures=window.warmup_failures, client_cpu_s=time.process_time() - cpu0,
+                     window_client_cpu_s=window_cpu_s)
 
 
 WARM_TIMEOUT_S = 240.0

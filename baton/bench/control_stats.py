@@ -1,6 +1,7 @@
-"""Pure figures of the control-plane bench (baton/bench/control.py): one (replicas, concurrency)
-point's summary from its turns, the concurrency where routing decisions/s stop growing, which
-fleet sizes fit in this machine's memory, and the RESULT line.
+"""Pure figures of the control-plane bench (baton/bench/control.py): one (replicas, concurrency,
+variant) point's summary from its turns, the concurrency where routing decisions/s stop growing,
+which fleet sizes fit in this machine's memory, and the RESULT line (the best point, the goal and
+the saturation read the `pin_cache` variant, the default config; `no_pin_cache` is compared to it).
 
 Failures are never dropped (the convention of baton/bench/conserve_stats.py): a failed turn
 (non-200, an error event, no `[DONE]`, an exception, a timeout) is counted, and it is a +inf
@@ -13,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from baton.bench.conserve_stats import INF, percentile
+from baton.bench.control_config import NO_PIN_CACHE, PIN_CACHE
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -51,7 +53,9 @@ class TurnSample:
 
 @dataclass(frozen=True)
 class PointStats:
-    """One (replicas, concurrency) point. Percentiles in seconds; +inf when a failure reaches the rank."""
+    """One (replicas, concurrency, variant) point. Percentiles in seconds; +inf when a failure
+    reaches the rank. The CPU fields are control_cpu.CpuPerTurn's, set once the window's CPU was
+    read ({} and nan: not measured)."""
 
     replicas: int
     concurrency: int
@@ -67,6 +71,9 @@ class PointStats:
     outside_p50_s: float | None
     hops_p50_s: dict[str, float | None]
     errors: dict[str, int]  # failure reason -> count
+    variant: str = PIN_CACHE.name  # control_config.Variant.name of the run (default: the default config)
+    cpu_ms_per_turn: dict[str, float] = field(default_factory=dict)  # role -> CPU ms per ok turn in the window
+    cpu_ms_per_turn_total: float = math.nan  # every role's CPU ms together per ok turn
 
 
 def _with_failures(turns: Sequence[TurnSample], value: Callable[[TurnSample], float | None]) -> list[float]:
@@ -82,7 +89,8 @@ def _with_failures(turns: Sequence[TurnSample], value: Callable[[TurnSample], fl
     return out
 
 
-def summarize_point(replicas: int, concurrency: int, turns: Sequence[TurnSample], elapsed_s: float) -> PointStats:
+def summarize_point(replicas: int, concurrency: int, turns: Sequence[TurnSample], elapsed_s: float, *,
+                    variant: str = PIN_CACHE.name) -> PointStats:
     """The point's figures from every turn started in its window (see the module docstring)."""
     if elapsed_s <= 0:
         raise ValueError("elapsed_s must be > 0")
@@ -104,7 +112,7 @@ def summarize_point(replicas: int, concurrency: int, turns: Sequence[TurnSample]
         latency_p50_s=percentile(latency, 50), latency_p99_s=percentile(latency, 99),
         route_p50_s=percentile(route, 50), route_p99_s=percentile(route, 99),
         ingress_overhead_p50_s=percentile(overhead, 50), outside_p50_s=percentile(outside, 50),
-        hops_p50_s=hops, errors=errors,
+        hops_p50_s=hops, errors=errors, variant=variant,
     )
 
 
@@ -156,9 +164,22 @@ def projected_ceiling(model: MemoryModel, available_idle: int, reserve_bytes: in
     return max(0, math.floor(room / model.per_replica_bytes)) if model.per_replica_bytes > 0 else 0
 
 
-def best_point(points: Sequence[PointStats]) -> PointStats | None:
-    """The point with the most routing decisions/s (ties: fewer failures, then more replicas)."""
-    return max(points, key=lambda p: (p.decisions_per_s, -p.failures, p.replicas), default=None)
+def best_point(points: Sequence[PointStats], variant: str = PIN_CACHE.name) -> PointStats | None:
+    """The point of `variant` with the most routing decisions/s (ties: fewer failures, then more replicas)."""
+    mine = [p for p in points if p.variant == variant]
+    return max(mine, key=lambda p: (p.decisions_per_s, -p.failures, p.replicas), default=None)
+
+
+def counterpart(points: Sequence[PointStats], point: PointStats, variant: str) -> PointStats | None:
+    """The point of `variant` at the same fleet size and concurrency as `point` (None: not run)."""
+    return next((p for p in points if p.variant == variant and (p.replicas, p.concurrency) == (point.replicas, point.concurrency)), None)
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b; b == 0: +inf when a > 0, nan when a == 0 too."""
+    if b == 0:
+        return math.inf if a > 0 else math.nan
+    return a / b
 
 
 @dataclass(frozen=True)
@@ -173,8 +194,10 @@ class GoalVerdict:
 
 
 def goal_verdict(points: Sequence[PointStats], replicas: int, min_rate: float = GOAL_DECISIONS_PER_S,
-                 max_route_p99_s: float = GOAL_ROUTE_P99_S) -> GoalVerdict:
-    within = [p for p in points if p.replicas == replicas and p.route_p99_s is not None and p.route_p99_s <= max_route_p99_s]
+                 max_route_p99_s: float = GOAL_ROUTE_P99_S, variant: str = PIN_CACHE.name) -> GoalVerdict:
+    """The goal over the points of `variant` at `replicas` (see GoalVerdict)."""
+    within = [p for p in points if p.variant == variant and p.replicas == replicas
+              and p.route_p99_s is not None and p.route_p99_s <= max_route_p99_s]
     best = max(within, key=lambda p: p.decisions_per_s, default=None)
     if best is None:
         return GoalVerdict(replicas, 0.0, None, False)
@@ -187,23 +210,41 @@ def _ms(x: float | None) -> str:
     return "inf" if x == INF else f"{x * 1000:.2f}"
 
 
+def _num(x: float | None, digits: int) -> str:
+    if x is None or math.isnan(x):
+        return "nan"
+    return "inf" if math.isinf(x) else f"{x:.{digits}f}"
+
+
 def result_line(points: Sequence[PointStats], max_replicas_run: int | None, per_replica_rss_bytes: float | None) -> str:
     """`RESULT decisions_per_s_max=… route_p99_ms_at_max=… replicas_at_max=… max_replicas_on_this_machine=…
-    per_replica_rss_mib=… saturated_at_concurrency=…`: the best point, and the concurrency where
-    its fleet size saturates (`none`: still growing at the sweep's end; `nan`: nothing ran)."""
+    per_replica_rss_mib=… saturated_at_concurrency=… decisions_per_s_ratio_pin_cache=… route_p50_ms_at_max=…
+    route_p50_ms_no_pin_cache=… cpu_ms_per_turn_at_max=…`.
+
+    The best point of the `pin_cache` variant (the default config), the concurrency where its
+    fleet size saturates (`none`: still growing at the sweep's end; `nan`: nothing ran), its
+    decisions/s over the `no_pin_cache` point's at the same size and concurrency (x / 0: inf;
+    `nan`: that point did not run, or 0 / 0), both points' route p50, and the best point's CPU ms
+    per ok turn over every role (control_cpu.py; `nan`: not measured)."""
     best = best_point(points)
+    off = counterpart(points, best, NO_PIN_CACHE.name) if best is not None else None
     if best is None:
         sat = "nan"
     else:
-        same = sorted((p for p in points if p.replicas == best.replicas), key=lambda p: p.concurrency)
+        same = sorted((p for p in points if p.variant == best.variant and p.replicas == best.replicas), key=lambda p: p.concurrency)
         knee = saturation_concurrency([p.concurrency for p in same], [p.decisions_per_s for p in same])
         sat = "none" if knee is None else str(knee)
     rss = "nan" if per_replica_rss_bytes is None else f"{per_replica_rss_bytes / MIB:.1f}"
+    speedup = ratio(best.decisions_per_s, off.decisions_per_s) if best is not None and off is not None else None
     return (f"RESULT decisions_per_s_max={'nan' if best is None else f'{best.decisions_per_s:.1f}'} "
             f"route_p99_ms_at_max={_ms(best.route_p99_s if best else None)} "
             f"replicas_at_max={'nan' if best is None else best.replicas} "
             f"max_replicas_on_this_machine={'nan' if max_replicas_run is None else max_replicas_run} "
-            f"per_replica_rss_mib={rss} saturated_at_concurrency={sat}")
+            f"per_replica_rss_mib={rss} saturated_at_concurrency={sat} "
+            f"decisions_per_s_ratio_pin_cache={_num(speedup, 3)} "
+            f"route_p50_ms_at_max={_ms(best.route_p50_s if best else None)} "
+            f"route_p50_ms_no_pin_cache={_ms(off.route_p50_s if off else None)} "
+            f"cpu_ms_per_turn_at_max={_num(best.cpu_ms_per_turn_total if best else None, 3)}")
 
 
 MAX_FAILURE_SHARE = 0.01  # a size "holds" only if its turns failed at most this often
@@ -212,7 +253,7 @@ MAX_FAILURE_SHARE = 0.01  # a size "holds" only if its turns failed at most this
 def size_served(points: Sequence[PointStats], replicas: int, max_failure_share: float = MAX_FAILURE_SHARE) -> bool:
     """Whether a fleet size really served: at least one point of it completed turns, and over all
     of its points no more than max_failure_share of the turns failed (a size that started but
-    timed every turn out is not one this machine holds)."""
+    timed every turn out is not one this machine holds). `points`: one run's (one variant's)."""
     mine = [p for p in points if p.replicas == replicas]
     turns = sum(p.turns for p in mine)
     failures = sum(p.failures for p in mine)

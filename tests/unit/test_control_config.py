@@ -1,6 +1,7 @@
 """baton/bench/control_config.py and its registration: the app args the bench hands `serve run`
 validate (deployments.config.load_app_config, the builder's own check), at every fleet size of
-both sweeps, and `baton bench control` reaches baton.bench.control.run."""
+both sweeps in both variants, the variants alternate their order from size to size, and
+`baton bench control` reaches baton.bench.control.run."""
 from __future__ import annotations
 
 import importlib
@@ -10,15 +11,32 @@ import pytest
 import yaml
 
 from baton.bench import commands
-from baton.bench.control_config import CONFIG, MAX_TOKENS, REPLICA_CPUS, SLOT, TIME_SCALE, app_args, served_model, start_timeout_s, sweep
-from deployments.config import ConfigError, load_app_config
+from baton.bench.control_config import (
+    CONFIG,
+    MAX_TOKENS,
+    NO_PIN_CACHE,
+    PIN_CACHE,
+    REPLICA_CPUS,
+    SLOT,
+    TIME_SCALE,
+    VARIANTS,
+    Variant,
+    app_args,
+    served_model,
+    start_timeout_s,
+    sweep,
+    variant_order,
+)
+from deployments.config import ConfigError, RoutingConfig, load_app_config
 
 
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
 @pytest.mark.parametrize("quick", [True, False])
-def test_every_size_of_the_sweep_is_a_valid_config(quick: bool, tmp_path: Path) -> None:
+def test_every_size_of_the_sweep_is_a_valid_config(quick: bool, variant: Variant, tmp_path: Path) -> None:
     sw = sweep(quick)
     for n in sw.replicas:
-        cfg = load_app_config(app_args(n, tmp_path, max_concurrency=max(sw.concurrencies)))
+        cfg = load_app_config(app_args(n, tmp_path, max_concurrency=max(sw.concurrencies), pin_cache_sync_s=variant.pin_cache_sync_s))
+        assert cfg.routing.pin_cache_sync_s == variant.pin_cache_sync_s
         assert cfg.decode.num_replicas == n and cfg.routing.policy == "colocated"
         assert cfg.prefill is not None and cfg.prefill.num_replicas == 0
         assert cfg.decode.engine.kind == "simulated" and cfg.decode.engine.simulated is not None
@@ -38,9 +56,26 @@ def test_sweeps() -> None:
     assert start_timeout_s(128) > start_timeout_s(8)
 
 
+def test_the_variants_are_the_pin_cache_off_and_at_its_default() -> None:
+    assert [v.name for v in VARIANTS] == ["no_pin_cache", "pin_cache"] and len({v.name for v in VARIANTS}) == len(VARIANTS)
+    assert NO_PIN_CACHE.pin_cache_sync_s == 0.0
+    assert PIN_CACHE.pin_cache_sync_s == RoutingConfig.model_fields["pin_cache_sync_s"].default == 0.5  # the default config
+
+
+def test_the_variant_order_alternates_from_size_to_size() -> None:
+    assert variant_order(0) == (NO_PIN_CACHE, PIN_CACHE)  # the first size: off then on
+    assert variant_order(1) == (PIN_CACHE, NO_PIN_CACHE)  # the second: on then off
+    assert variant_order(2) == variant_order(0) and variant_order(3) == variant_order(1)
+    firsts = [variant_order(i)[0].name for i in range(len(sweep(False).replicas))]
+    assert firsts.count("pin_cache") == firsts.count("no_pin_cache") == 2
+    assert all(set(variant_order(i)) == set(VARIANTS) and len(variant_order(i)) == len(VARIANTS) for i in range(4))  # every variant, once, at every size
+    with pytest.raises(ValueError):
+        variant_order(-1)
+
+
 def test_args_are_a_copy_of_local_simulated_yaml(tmp_path: Path) -> None:
     before = CONFIG.read_text()
-    args = app_args(8, tmp_path, max_concurrency=8)
+    args = app_args(8, tmp_path, max_concurrency=8, pin_cache_sync_s=0.5)
     original = yaml.safe_load(before)["applications"][0]["args"]
     assert args["decode"]["engine"]["simulated"]["gpu"] == original["decode"]["engine"]["simulated"]["gpu"]
     assert original["decode"]["engine"]["simulated"]["time_scale"] == 1.0 and CONFIG.read_text() == before
@@ -48,12 +83,14 @@ def test_args_are_a_copy_of_local_simulated_yaml(tmp_path: Path) -> None:
 
 
 def test_a_broken_override_fails_validation(tmp_path: Path) -> None:
-    args = app_args(8, tmp_path, max_concurrency=8)
+    args = app_args(8, tmp_path, max_concurrency=8, pin_cache_sync_s=0.0)
     args["decode"]["resources"]["typo"] = 1  # extra="forbid"
     with pytest.raises(ConfigError, match="typo"):
         load_app_config(args)
     with pytest.raises(ValueError):
-        app_args(0, tmp_path, max_concurrency=8)
+        app_args(0, tmp_path, max_concurrency=8, pin_cache_sync_s=0.0)
+    with pytest.raises(ConfigError, match="pin_cache_sync_s"):
+        load_app_config(app_args(8, tmp_path, max_concurrency=8, pin_cache_sync_s=-1.0))
 
 
 def test_bench_control_is_registered() -> None:

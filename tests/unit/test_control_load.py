@@ -1,6 +1,7 @@
 """baton/bench/control_load.py against an in-process fake (httpx.MockTransport) that answers
 like Baton (SSE + Server-Timing): conversations grow turn by turn under their own session id,
-and every failure (status, error event, cut stream, exception) is counted, not dropped."""
+every failure (status, error event, cut stream, exception) is counted, not dropped, and the
+on_window hook brackets exactly the measured window."""
 from __future__ import annotations
 
 import asyncio
@@ -63,6 +64,33 @@ def test_closed_loop_counts_turns_hops_and_failures() -> None:
     assert p.failures == len(bad) and p.decisions_per_s == pytest.approx(len(ok) / load.elapsed_s)
     assert p.route_p99_s == float("inf")  # a third of the turns failed
     assert p.route_p50_s == pytest.approx(0.002) and p.ingress_overhead_p50_s == pytest.approx(0.004)
+
+
+def test_on_window_fires_at_the_window_start_and_after_its_last_turn() -> None:
+    import time
+
+    calls: list[tuple[str, float]] = []
+    burn = {"start": 0.0}
+
+    def on_window(edge: str) -> None:
+        calls.append((edge, time.monotonic()))
+        if edge == "start":  # the hook's own CPU is not the client's
+            t = time.process_time()
+            while time.process_time() - t < 0.2:
+                pass
+            burn["start"] = time.process_time() - t
+
+    fake = FakeBaton()
+    spec = LoadSpec(model="m", concurrency=2, duration_s=0.3, warmup_s=0.2)
+    t0 = time.monotonic()
+    load = asyncio.run(run_point("http://baton", spec, transport=httpx.MockTransport(fake), on_window=on_window))
+    t_end = time.monotonic()
+    assert [e for e, _ in calls] == ["start", "end"]
+    (_, started), (_, ended) = calls
+    assert started - t0 == pytest.approx(spec.warmup_s, abs=0.1)  # not at the warm-up's start
+    assert ended - started >= spec.duration_s and ended <= t_end
+    assert load.warmup_turns > 0  # turns ran before the hook's "start"
+    assert 0 < load.window_client_cpu_s <= load.client_cpu_s - burn["start"] + 1e-3  # the window only, the hook left out
 
 
 def test_an_exception_is_a_failed_turn() -> None:

@@ -1,8 +1,10 @@
 """baton/bench/control_stats.py: a point's figures count failures as +inf, the saturation knee,
-the memory projection that decides which fleet sizes run, the goal and the RESULT line."""
+the memory projection that decides which fleet sizes run, the goal and the RESULT line (both read
+the pin_cache variant; no_pin_cache is its comparison, nan where it is missing)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,8 @@ from baton.bench.control_stats import (
     GIB,
     MIB,
     TurnSample,
+    best_point,
+    counterpart,
     fits,
     goal_verdict,
     live_decode_replicas,
@@ -18,6 +22,7 @@ from baton.bench.control_stats import (
     memory_model,
     projected_ceiling,
     projected_free_bytes,
+    ratio,
     result_line,
     saturation_concurrency,
     summarize_point,
@@ -118,15 +123,66 @@ def test_result_line_is_computed_from_the_points() -> None:
               summarize_point(32, 8, [ok()] * 90, elapsed_s=1.0), summarize_point(32, 32, [ok()] * 99 + [failed()], elapsed_s=1.0)]
     assert result_line(points, 32, 150.25 * MIB) == (
         "RESULT decisions_per_s_max=310.0 route_p99_ms_at_max=2.00 replicas_at_max=8 max_replicas_on_this_machine=32 "
-        "per_replica_rss_mib=150.2 saturated_at_concurrency=32")
+        "per_replica_rss_mib=150.2 saturated_at_concurrency=32 decisions_per_s_ratio_pin_cache=nan route_p50_ms_at_max=2.00 "
+        "route_p50_ms_no_pin_cache=nan cpu_ms_per_turn_at_max=nan")  # no no_pin_cache point, no CPU read: nan
     assert result_line(points[3:], 32, MIB).split()[2] == "route_p99_ms_at_max=inf"  # 99/s at 32 replicas with one failure
-    assert result_line(points[:2], 8, MIB).endswith("saturated_at_concurrency=none")
+    assert " saturated_at_concurrency=none " in result_line(points[:2], 8, MIB)
 
 
 def test_result_line_without_points() -> None:
     assert result_line([], None, None) == (
         "RESULT decisions_per_s_max=nan route_p99_ms_at_max=nan replicas_at_max=nan max_replicas_on_this_machine=nan "
-        "per_replica_rss_mib=nan saturated_at_concurrency=nan")
+        "per_replica_rss_mib=nan saturated_at_concurrency=nan decisions_per_s_ratio_pin_cache=nan route_p50_ms_at_max=nan "
+        "route_p50_ms_no_pin_cache=nan cpu_ms_per_turn_at_max=nan")
+
+
+def both(n: int, c: int, on: int, off: int, off_route: float = 0.004) -> list:
+    """A pin_cache point of `on` ok turns/s and the no_pin_cache one of `off` at the same (n, c)."""
+    return [summarize_point(n, c, [ok()] * on, 1.0, variant="pin_cache"),
+            summarize_point(n, c, [ok(route=off_route)] * off, 1.0, variant="no_pin_cache")]
+
+
+def test_the_best_point_and_the_goal_read_the_pin_cache_variant() -> None:
+    points = both(8, 8, 100, 900) + both(8, 32, 300, 950)  # no_pin_cache is faster: it must not be the headline
+    best = best_point(points)
+    assert best is not None and best.variant == "pin_cache" and best.concurrency == 32
+    assert best_point(points, variant="no_pin_cache").decisions_per_s == 950.0  # type: ignore[union-attr]
+    assert counterpart(points, best, "no_pin_cache") is points[3] and counterpart(points, best, "other") is None
+    assert goal_verdict(points, 8).decisions_per_s == 300.0
+    line = result_line(points, 8, MIB)
+    assert "decisions_per_s_max=300.0 " in line and "saturated_at_concurrency=none " in line  # 100 -> 300 (not 900 -> 950)
+
+
+def test_result_line_compares_the_variants_at_the_best_point() -> None:
+    points = both(8, 8, 100, 90) + both(8, 32, 300, 200, off_route=0.005) + both(32, 32, 250, 50)
+    points[2] = replace(points[2], cpu_ms_per_turn={"decode": 0.5, "client": 0.25}, cpu_ms_per_turn_total=0.75)
+    fields = dict(kv.split("=") for kv in result_line(points, 32, MIB).split()[1:])
+    assert fields["decisions_per_s_max"] == "300.0" and fields["replicas_at_max"] == "8"
+    assert fields["decisions_per_s_ratio_pin_cache"] == "1.500"  # 300 / 200 at (8, 32), not 250 / 50 elsewhere
+    assert fields["route_p50_ms_at_max"] == "2.00" and fields["route_p50_ms_no_pin_cache"] == "5.00"
+    assert fields["cpu_ms_per_turn_at_max"] == "0.750"
+
+
+def test_result_line_when_the_comparison_is_missing_or_zero() -> None:
+    only_on = [summarize_point(8, 8, [ok()] * 100, 1.0),
+               summarize_point(8, 32, [ok()] * 50, 1.0, variant="no_pin_cache")]  # another concurrency: no counterpart
+    line = result_line(only_on, 8, MIB)
+    assert "decisions_per_s_ratio_pin_cache=nan " in line and "route_p50_ms_no_pin_cache=nan " in line
+    off_dead = [summarize_point(8, 8, [ok()] * 100, 1.0), summarize_point(8, 8, [failed()] * 10, 1.0, variant="no_pin_cache")]
+    line = result_line(off_dead, 8, MIB)
+    assert "decisions_per_s_ratio_pin_cache=inf " in line and "route_p50_ms_no_pin_cache=inf " in line  # every turn failed
+    inf_cpu = [replace(summarize_point(8, 8, [ok()] * 100, 1.0), cpu_ms_per_turn_total=math.inf)]
+    assert result_line(inf_cpu, 8, MIB).endswith("cpu_ms_per_turn_at_max=inf")
+
+
+def test_ratio() -> None:
+    assert ratio(3.0, 2.0) == 1.5 and ratio(1.0, 0.0) == math.inf and math.isnan(ratio(0.0, 0.0))
+
+
+def test_a_point_carries_its_variant() -> None:
+    assert summarize_point(8, 8, [ok()], 1.0).variant == "pin_cache"  # the default config
+    p = summarize_point(8, 8, [ok()], 1.0, variant="no_pin_cache")
+    assert p.variant == "no_pin_cache" and p.cpu_ms_per_turn == {} and math.isnan(p.cpu_ms_per_turn_total)  # CPU not read yet
 
 
 def test_mem_available_and_live_replicas() -> None:
