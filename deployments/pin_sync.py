@@ -35,9 +35,11 @@ class PinSyncer:
             self._task = asyncio.get_running_loop().create_task(self._forever())
 
     async def _forever(self) -> None:
-        while True:
+        loop = asyncio.get_running_loop()
+        while True:  # one sync per period, counted from each start: a slow answer does not stretch the period
+            due = loop.time() + self.cache.sync_period_s
             await self.sync_once()
-            await asyncio.sleep(self.cache.sync_period_s)
+            await asyncio.sleep(max(0.0, due - loop.time()))
 
     async def sync_once(self) -> bool:
         """One sync; False when the directory did not answer (its touches wait for the next)."""

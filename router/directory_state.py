@@ -33,7 +33,7 @@ from router.conversation_info import ConversationInfo
 from router.directory_loads import decoder_loads, prefill_loads
 from router.directory_types import DirectorySettings, Pin, Reported
 from router.ownership import Claim, KnownOwners, OwnershipStore
-from router.pin_cache import PinSync, Touch
+from router.pin_cache import PinSync, PinUpdate, Touch
 from router.pin_log import PinChangeLog, record_touch
 from router.placement import choose_prefill, decoder_idle
 from router.policy import DISAGGREGATED, PINNING, NoReplicaAvailable, TurnPlan, plan_turn
@@ -290,9 +290,11 @@ class DirectoryState:
             else:
                 self.totals["pin_touches_stale"] += 1
         changed, reset = self.changes.since(via, incarnation, after_seq)
+        updates = tuple(PinUpdate(sid, p.decoder, p.user, p.turns, p.prompt_tokens) if (p := self._pins.get(sid)) else PinUpdate(sid, None)
+                        for sid in changed)
         decoders = self.live("decode", now)
         self.totals["pin_syncs"] += 1
-        return PinSync(self.changes.incarnation, self.changes.seq, changed, reset, tuple(sorted(r.replica_id for r in decoders)),
+        return PinSync(self.changes.incarnation, self.changes.seq, updates, reset, tuple(sorted(r.replica_id for r in decoders)),
                        pool_queueing=bool(decoders) and all(r.num_waiting > 0 for r in decoders), pool_in_flight=self.pool_in_flight(now))
 
     def pin_of(self, session_id: str) -> Pin | None:

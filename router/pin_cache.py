@@ -14,9 +14,10 @@ Anything else is a miss: the directory plans the turn and its answer refills the
 Sync (every period, deployments/pin_sync.py): the ingress sends the turns it planned from the
 cache (`Touch`: the directory records them as if it had routed them: last seen, turn count, the
 context the decoder holds) and the last change it has seen; the directory answers `PinSync`: the
-conversations whose pins changed since then through anyone else (another ingress's turn, a
-decoder failure's re-placement, a fallback, an end, an expiry, an adoption), which are dropped
-here, and its view of the live decoders and the pools' load (for admission). A directory that
+conversations whose pins changed since then through anyone else, as they are now (`PinUpdate`):
+one another ingress served on the same decoder keeps its entry here with the directory's turn
+count; one that moved (a decoder failure's re-placement, a fallback, an adoption), ended or
+expired is dropped, and its view of the live decoders and the pools' load (for admission). A directory that
 restarted (a new incarnation) or whose change log no longer reaches back that far answers
 `reset`: every entry is dropped. The directory's route answers carry its incarnation and latest
 change too, so the first answer of a (re)started directory starts the cache there: the entries it
@@ -44,6 +45,8 @@ from router.policy import PINNING, Policy, TurnPlan, needs_remote_prefill
 FRESHNESS_PERIODS = 2.0  # a cached pin is used only while the last sync is at most this many periods old
 DEFAULT_CAPACITY = 100_000
 DEFAULT_MAX_PENDING = 100_000
+TOTALS = ("hits", "misses", "misses_unknown", "misses_other_user", "misses_stale", "misses_not_live", "misses_remote_prefill",
+          "invalidated", "updated", "resets", "forgotten", "evicted", "syncs", "sync_failures", "touches_dropped")  # what snapshot() reports, 0 until counted
 
 
 @dataclass(frozen=True)
@@ -58,12 +61,23 @@ class Touch:
 
 
 @dataclass(frozen=True)
+class PinUpdate:
+    """A conversation whose pin changed elsewhere, as the directory holds it now."""
+
+    session_id: str
+    decoder: str | None  # None: no pin any more (ended, expired, evicted)
+    user: str | None = None
+    turns: int = 0  # the directory's count of its turns
+    held_tokens: int = 0  # its last turn's prompt
+
+
+@dataclass(frozen=True)
 class PinSync:
     """The directory's answer to a sync."""
 
     incarnation: str  # this directory's identity; a new one (a restart) means nothing cached holds
     seq: int  # its latest pin change
-    changed: tuple[str, ...]  # session ids whose pins changed since the asker's seq, by anyone but the asker
+    changed: tuple[PinUpdate, ...]  # the pins changed since the asker's seq, by anyone but the asker
     reset: bool  # the asker's seq is from another incarnation or older than the change log: drop everything
     live_decoders: tuple[str, ...]
     pool_queueing: bool = False
@@ -111,8 +125,10 @@ class PinCache:
             return None
         entry = self._entries.get(session_id)
         now = self._clock()
-        if entry is None or entry.user != user or not self.fresh(now) or entry.decoder not in self._live:
-            self.totals["misses"] += 1
+        why = ("misses_unknown" if entry is None else "misses_other_user" if entry.user != user else
+               "misses_stale" if not self.fresh(now) else "misses_not_live" if entry.decoder not in self._live else None)
+        if why is not None:
+            self.totals.update(("misses", why))
             return None
         if self.policy == "conditional_pd" and needs_remote_prefill(prompt_tokens, entry.held_tokens, self._threshold):
             self.totals["misses_remote_prefill"] += 1
@@ -192,12 +208,28 @@ class PinCache:
         if sync.reset or sync.incarnation != self._incarnation:
             self._drop_all()
         else:
-            for sid in sync.changed:
-                if self._entries.pop(sid, None) is not None:
-                    self.totals["invalidated"] += 1
+            self._update(sync.changed)
         self._incarnation = sync.incarnation
         self._seq = sync.seq
         self._view(sync)
+
+    def _update(self, changed: Iterable[PinUpdate]) -> None:
+        """A pin that moved, ended or changed hands is dropped; one another ingress served on the
+        same decoder is kept, its turn count and held context taken from the directory (plus the
+        turns planned here since the sync left)."""
+        pending = Counter(t.session_id for t, _ in self._pending)
+        for u in changed:
+            e = self._entries.get(u.session_id)
+            if e is None:
+                continue
+            if u.decoder != e.decoder or u.user != e.user:
+                del self._entries[u.session_id]
+                self.totals["invalidated"] += 1
+                continue
+            e.turns = max(1, u.turns + pending[u.session_id])
+            if not pending[u.session_id]:
+                e.held_tokens = u.held_tokens
+            self.totals["updated"] += 1
 
     def _view(self, sync: PinSync) -> None:
         self._live = frozenset(sync.live_decoders)
@@ -214,8 +246,9 @@ class PinCache:
 
     # ---- reporting -----------------------------------------------------------------------
     def snapshot(self) -> dict[str, object]:
+        counts = {k: self.totals[k] for k in TOTALS}
         return {"enabled": self.enabled, "sync_period_s": self.sync_period_s, "entries": len(self._entries),
-                "pending_touches": len(self._pending), "fresh": self.fresh(), "live_decoders": len(self._live), **self.totals}
+                "pending_touches": len(self._pending), "fresh": self.fresh(), "live_decoders": len(self._live), **counts}
 
     def check_integrity(self) -> None:
         if len(self._entries) > self._capacity:
@@ -229,4 +262,4 @@ class PinCache:
                 raise AssertionError(f"bad cached pin {sid!r}: {e}")
 
 
-__all__ = ["FRESHNESS_PERIODS", "PinCache", "PinSync", "Touch"]
+__all__ = ["FRESHNESS_PERIODS", "PinCache", "PinSync", "PinUpdate", "Touch"]

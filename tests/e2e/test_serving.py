@@ -64,6 +64,22 @@ def test_openai_client_multi_turn_with_prefix_cache(baton_url: str) -> None:
     assert use[0].prompt_tokens_details.cached_tokens >= 256, "turn 2 should reuse turn 1's KV (prefix cache)"
     assert replica_2 == replica_1, "a conversation stays on its decode replica"
 
+    # later turns are planned from the ingress's pin cache (router/pin_cache.py) and the directory
+    # still counts every one of them (the ingress flushes its turns before GET /v1/conversations)
+    sent = 2
+    for t in range(3):
+        messages += [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": f"And of country {t}?"}]
+        r = httpx.post(f"{baton_url}/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0},
+                       headers=headers, timeout=120)
+        assert r.status_code == 200 and r.headers["x-baton-replica"] == replica_1, r.text
+        sent += 1
+        cache = httpx.get(f"{baton_url}/baton/stats", timeout=30).json()["ingress"]["pin_cache"]
+        if cache["hits"] >= 1:
+            break
+    assert cache["enabled"] and cache["hits"] >= 1, json.dumps(cache)
+    info = httpx.get(f"{baton_url}/v1/conversations/e2e-conv-1", timeout=30).json()
+    assert info["turns"] == sent and info["decoder"] == replica_1, (info, sent)
+
 
 def test_completions_greedy_is_deterministic(baton_url: str) -> None:
     c = client(baton_url)

@@ -13,7 +13,7 @@ from ray import exceptions as rx
 
 from baton.engine.types import GenerationRequest, SamplingSpec
 from router.directory_state import DirectorySettings, DirectoryState
-from router.pin_cache import PinCache, PinSync, Touch
+from router.pin_cache import PinCache, PinSync, PinUpdate, Touch
 from router.pin_log import PinChangeLog
 from router.policy import TurnPlan
 from router.report import ReplicaReport
@@ -32,9 +32,13 @@ class Clock:
         return self.t
 
 
-def synced(live: tuple[str, ...] = ("d0", "d1"), *, incarnation: str = "dir-1", seq: int = 0, changed: tuple[str, ...] = (),
+def synced(live: tuple[str, ...] = ("d0", "d1"), *, incarnation: str = "dir-1", seq: int = 0, changed: tuple[PinUpdate, ...] = (),
            reset: bool = False) -> PinSync:
     return PinSync(incarnation, seq, changed, reset, live, pool_queueing=True, pool_in_flight=7)
+
+
+def sids(sync: PinSync) -> tuple[str, ...]:
+    return tuple(u.session_id for u in sync.changed)
 
 
 def new_plan(decoder: str = "d0", turn_index: int = 0, reason: str = "new") -> TurnPlan:
@@ -82,6 +86,9 @@ def test_a_turn_the_cache_cannot_vouch_for_goes_to_the_directory(why: str) -> No
     user = "bob" if why == "other_user" else "ana"
     assert c.plan(sid, user, 120) is None
     assert c.take_touches() == []
+    if sid is not None:
+        reason = {"other_user": "other_user", "unknown": "unknown", "stale": "stale", "decoder_not_live": "not_live"}[why]
+        assert c.totals[f"misses_{reason}"] == c.totals["misses"] == 1
 
 
 def test_a_sync_at_the_freshness_bound_still_vouches() -> None:
@@ -117,14 +124,15 @@ def test_conditional_pd_plans_only_turns_prefilled_on_their_decoder() -> None:
     assert c.totals["misses_remote_prefill"] == 1
 
 
-def test_changes_elsewhere_drop_their_pins_and_a_reset_drops_all() -> None:
+def test_pins_moved_or_ended_elsewhere_are_dropped_and_a_reset_drops_all() -> None:
     c = cache()
     c.apply(synced(seq=5))
-    for sid in ("a", "b", "c"):
+    for sid in ("a", "b", "c", "d"):
         c.remember(sid, "ana", new_plan(), 10)
-    c.apply(synced(seq=9, changed=("b", "zzz")))
+    c.apply(synced(seq=9, changed=(PinUpdate("b", "d1", "ana", 3, 50), PinUpdate("c", None), PinUpdate("d", "d0", "bob", 2, 9),
+                                   PinUpdate("zzz", "d0", "ana", 1, 1))))
     assert c.sync_args() == ("dir-1", 9)
-    assert [c.plan(s, "ana", 20) is not None for s in ("a", "b", "c")] == [True, False, True]
+    assert [c.plan(s, "ana", 20) is not None for s in ("a", "b", "c", "d")] == [True, False, False, False]
     c.apply(synced(seq=2, incarnation="dir-2"))  # a restarted directory: nothing cached holds
     assert c.plan("a", "ana", 30) is None and c.sync_args() == ("dir-2", 2)
     c.remember("a", "ana", new_plan(), 10)
@@ -187,12 +195,13 @@ def test_a_sync_answers_changes_made_by_others_not_by_the_asker() -> None:
     state.route("s", "ana", 100, 1.0, via="ing-a")
     state.route("t", "bob", 100, 1.0, via="ing-b")
     a = state.sync("ing-a", first.incarnation, first.seq, [], 1.5)
-    assert not a.reset and a.changed == ("t",)  # its own turn of s is not sent back to it
+    assert not a.reset and sids(a) == ("t",)  # its own turn of s is not sent back to it
     b = state.sync("ing-b", first.incarnation, first.seq, [], 1.5)
-    assert b.changed == ("s",)
-    assert state.sync("ing-a", a.incarnation, a.seq, [], 2.0).changed == ()
+    assert sids(b) == ("s",) and b.changed[0].decoder is not None
+    assert sids(state.sync("ing-a", a.incarnation, a.seq, [], 2.0)) == ()
     state.end_conversation("s", "ana")  # made by the directory: everyone hears of it
-    assert state.sync("ing-a", a.incarnation, a.seq, [], 2.0).changed == ("s",)
+    ended = state.sync("ing-a", a.incarnation, a.seq, [], 2.0).changed
+    assert ended == (PinUpdate("s", None),)
     state.check_integrity()
 
 
@@ -203,7 +212,7 @@ def test_touches_are_recorded_like_routed_turns_unless_the_pin_moved() -> None:
     reply = state.sync("ing-a", start.incarnation, start.seq, [Touch("s", "ana", plan.decode_replica, 180, 0.5)], 3.0)
     pin = state.pin_of("s")
     assert pin is not None and (pin.turns, pin.prompt_tokens, pin.last_seen) == (2, 180, 2.5)
-    assert reply.changed == () and state.snapshot(3.0)["turns_total"] == 2
+    assert sids(reply) == () and state.snapshot(3.0)["turns_total"] == 2
     other = "d1" if plan.decode_replica == "d0" else "d0"
     state.sync("ing-a", reply.incarnation, reply.seq, [Touch("s", "ana", other, 200, 0.0), Touch("s", "bob", plan.decode_replica, 200, 0.0),
                                                         Touch("gone", "ana", plan.decode_replica, 200, 0.0)], 3.0)
@@ -227,7 +236,7 @@ def test_expiry_and_adoption_are_changes_too() -> None:
     state.route("s", "ana", 100, 1.0, via="ing-a")
     start = state.sync("ing-a", None, 0, [], 1.0)
     state.expire(1.0 + state.settings.conversation_ttl_s + 1)
-    assert state.sync("ing-a", start.incarnation, start.seq, [], 1.0).changed == ("s",)
+    assert state.sync("ing-a", start.incarnation, start.seq, [], 1.0).changed == (PinUpdate("s", None),)
 
 
 # ---- the backend planning from its cache ----------------------------------------------------------
@@ -316,8 +325,8 @@ def test_a_route_answer_starts_the_cache_at_its_directory_and_a_sync_in_flight_d
     assert c.sync_args() == ("dir-1", 4)
     c.apply(synced(incarnation="dir-1", seq=3, reset=True), asked=asked)  # its answer to "never synced"
     assert c.sync_args() == ("dir-1", 4) and c.plan("s", "ana", 20) is not None  # kept; the view refreshed
-    c.apply(synced(incarnation="dir-1", seq=6, changed=("s",)), asked=c.sync_args())
-    assert c.plan("s", "ana", 30) is None  # changed elsewhere after the answer: dropped
+    c.apply(synced(incarnation="dir-1", seq=6, changed=(PinUpdate("s", "d1", "ana", 2, 20),)), asked=c.sync_args())
+    assert c.plan("s", "ana", 30) is None  # moved elsewhere after the answer: dropped
 
 
 def test_a_restarted_directory_seen_first_in_a_route_answer_drops_the_old_entries() -> None:
@@ -338,3 +347,44 @@ def test_the_directory_answers_its_incarnation_and_seq_with_every_plan() -> None
     plan = state.route("s", "ana", 100, 1.0, via="ing-a")
     reply = state.sync("ing-a", None, 0, [], 1.0)
     assert (plan.incarnation, plan.pin_seq) == (reply.incarnation, reply.seq)
+
+
+def test_the_snapshot_reports_every_count_from_zero() -> None:
+    snap = cache().snapshot()
+    assert snap["hits"] == 0 and snap["sync_failures"] == 0 and snap["enabled"] and not snap["fresh"]
+
+
+def test_a_turn_another_ingress_served_on_the_same_decoder_keeps_the_pin_and_its_count() -> None:
+    c = cache()
+    c.apply(synced(seq=1))
+    c.remember("s", "ana", new_plan("d0"), 10)  # turn 0 here
+    asked = c.sync_args()
+    c.apply(synced(seq=4, changed=(PinUpdate("s", "d0", "ana", 3, 300),)), asked=asked)  # turns 1 and 2 at another ingress
+    got = c.plan("s", "ana", 320)
+    assert got is not None and got.turn_index == 3 and c.totals["updated"] == 1
+    asked = c.sync_args()
+    touches = c.take_touches()
+    c.plan("s", "ana", 400)  # planned here while the sync is in flight
+    c.apply(synced(seq=6, changed=(PinUpdate("s", "d0", "ana", 5, 350),)), asked=asked)  # its touch + one more elsewhere
+    assert len(touches) == 1 and c.plan("s", "ana", 420).turn_index == 6  # type: ignore[union-attr]
+
+
+def test_two_ingresses_over_one_directory_share_a_conversation_without_dropping_it() -> None:
+    state = directory("colocated")
+    a, b = cache("colocated"), cache("colocated")
+    for name, cch in (("ing-a", a), ("ing-b", b)):
+        cch.apply(state.sync(name, *cch.sync_args(), cch.take_touches(), 1.0), asked=None)
+    first = state.route("s", "ana", 100, 1.0, via="ing-a")
+    a.remember("s", "ana", first, 100)
+    second = state.route("s", "ana", 150, 1.1, via="ing-b")  # b has no entry yet: asks
+    b.remember("s", "ana", second, 150)
+    indices = []
+    for i, (name, cch) in enumerate([("ing-a", a), ("ing-b", b), ("ing-a", a), ("ing-b", b)]):
+        cch.apply(state.sync(name, *cch.sync_args(), cch.take_touches(), 2.0 + i), asked=None)
+        plan = cch.plan("s", "ana", 200 + 50 * i)
+        assert plan is not None and plan.decode_replica == first.decode_replica
+        indices.append(plan.turn_index)
+        cch.apply(state.sync(name, *cch.sync_args(), cch.take_touches(), 2.5 + i), asked=None)
+    assert indices == [2, 3, 4, 5]
+    assert state.pin_of("s").turns == 6  # type: ignore[union-attr]
+    state.check_integrity()
