@@ -27,8 +27,9 @@ Staleness is bounded: a pin moved by someone else can be used here until the nex
 two periods (the freshness bound) — a turn then runs on the conversation's previous decoder,
 which is correct (every turn carries its whole history; that decoder recomputes what it lacks)
 but costs a prefill; a turn sent to a decoder that died fails over as any turn does
-(deployments/backend.py). Turn indices planned here count this ingress's turns since its entry
-was filled: exact while one ingress serves the conversation within a period.
+(deployments/backend.py). Turn indices planned here are the directory's count as of the last
+sync plus this ingress's turns since: exact unless two ingresses serve turns of one conversation
+within one period.
 
 Invariants (check_integrity): at most `capacity` entries, each with a non-empty id, a decoder and
 turns >= 1; pending touches at most `max_pending`; the seq is never negative.
