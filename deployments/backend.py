@@ -87,7 +87,8 @@ class PoolBackend:
 
     pins: this ingress's cache of the directory's pins (deployments/pin_sync.py): a pinned
     conversation's turn is planned from it when it can be (router/pin_cache.py), else by the
-    directory, whose answer refills it. A decoder that fails here drops its cached pins; a turn
+    directory, whose answer refills it; so is a turn without a session id when there is no
+    prefill pool (the cache's view of the decoders' loads). A decoder that fails here drops its cached pins; a turn
     that ran elsewhere than planned drops its conversation's."""
 
     def __init__(self, decode: Any, prefill: Any | None = None, directory: Any | None = None, resumes: ResumeMetrics | None = None,
@@ -220,7 +221,10 @@ class PoolBackend:
         n = len(request.prompt_token_ids)
         if self._pins is not None:
             self._pins.start()
-            cached = self._pins.cache.plan(request.session_id, request.user, n)
+            cache = self._pins.cache
+            # a turn outside a conversation needs no owner check; without a prefill pool only its decoder is to choose
+            cached = cache.plan(request.session_id, request.user, n) if request.session_id else (
+                cache.plan_sessionless(n) if self._prefill is None else None)
             if cached is not None:
                 return self._placed(cached, request)
         try:

@@ -45,11 +45,12 @@ class PinSyncer:
         """One sync; False when the directory did not answer (its touches wait for the next)."""
         async with self._lock:
             incarnation, seq = self.cache.sync_args()
-            touches = self.cache.take_touches()
+            touches, placed = self.cache.take_touches(), self.cache.take_placed()
             try:
-                reply = await asyncio.wait_for(self._directory.sync.remote(self.ingress_id, incarnation, seq, touches), SYNC_TIMEOUT_S)
+                reply = await asyncio.wait_for(self._directory.sync.remote(self.ingress_id, incarnation, seq, touches, placed=placed),
+                                               SYNC_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - the cache goes stale and stops planning; turns ask the directory
-                self.cache.give_back(touches)
+                self.cache.give_back(touches, placed)
                 if not self._failing:
                     logger.warning("pin cache sync with the directory failed (%s); %d touches kept for the next, every turn asks "
                                    "the directory until a sync succeeds", type(e).__name__, len(touches))

@@ -20,7 +20,7 @@ from ray.serve import metrics
 
 from router.directory_state import DirectorySettings, DirectoryState
 from router.ownership import KnownOwners, OwnershipStore
-from router.pin_cache import PinSync, Touch
+from router.pin_cache import PinSync, Placed, Touch
 from router.policy import TurnPlan
 from router.report import ReplicaReport
 
@@ -106,10 +106,10 @@ class ConversationDirectory:
         self._live_pins.set(sum(self._state.pinned_counts().values()))
         return plan
 
-    async def sync(self, via: str, incarnation: str | None, after_seq: int, touches: list[Touch]) -> PinSync:
+    async def sync(self, via: str, incarnation: str | None, after_seq: int, touches: list[Touch], placed: list[Placed] | None = None) -> PinSync:
         """An ingress's pin cache: record the turns it planned, answer what changed elsewhere (router/pin_cache.py)."""
         self._ensure_expiry()
-        return self._state.sync(via, incarnation, after_seq, touches, time.monotonic())
+        return self._state.sync(via, incarnation, after_seq, touches, time.monotonic(), placed or ())
 
     async def served(self, session_id: str | None, replica_id: str) -> None:
         self._state.served(session_id, replica_id, time.monotonic())

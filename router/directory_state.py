@@ -30,10 +30,10 @@ from typing import Any
 
 from router.cliff import CliffForecast, forecast_cliff, within_horizon
 from router.conversation_info import ConversationInfo
-from router.directory_loads import decoder_loads, prefill_loads
+from router.directory_loads import count_unreported, decoder_loads, prefill_loads
 from router.directory_types import DirectorySettings, Pin, Reported
 from router.ownership import Claim, KnownOwners, OwnershipStore
-from router.pin_cache import PinSync, PinUpdate, Touch
+from router.pin_cache import PinSync, PinUpdate, Placed, Touch
 from router.pin_log import PinChangeLog, record_touch
 from router.placement import choose_prefill, decoder_idle
 from router.policy import DISAGGREGATED, PINNING, NoReplicaAvailable, TurnPlan, plan_turn
@@ -182,11 +182,9 @@ class DirectoryState:
                 self.totals["prefill_fallback_local"] += 1
                 plan = replace(plan, remote_prefill=False)
             else:
-                turns, tokens = self._unreported.get(prefill, (0, 0))
-                self._unreported[prefill] = (turns + 1, tokens + prompt_tokens)
+                count_unreported(self._unreported, self._replicas, prefill, prompt_tokens)
                 plan = replace(plan, prefill_replica=prefill)
-        turns, tokens = self._unreported.get(plan.decode_replica, (0, 0))
-        self._unreported[plan.decode_replica] = (turns + 1, tokens + prompt_tokens)
+        count_unreported(self._unreported, self._replicas, plan.decode_replica, prompt_tokens)
         self.totals["turns"] += 1
         self.totals[f"plan_{plan.reason}"] += 1
         if plan.remote_prefill:
@@ -281,21 +279,28 @@ class DirectoryState:
     def _changed(self, session_id: str, via: str | None = None) -> None:
         self.changes.changed(session_id, via)
 
-    def sync(self, via: str, incarnation: str | None, after_seq: int, touches: Iterable[Touch], now: float) -> PinSync:
-        """An ingress's pin cache: record its touches; answer the changes since `after_seq`, the live decoders, the load."""
+    def sync(self, via: str, incarnation: str | None, after_seq: int, touches: Iterable[Touch], now: float,
+             placed: Iterable[Placed] = ()) -> PinSync:
+        """An ingress's pin cache: record its touches and sessionless placements (load on their decoders until
+        those report, as routed turns are); answer the changes since `after_seq`, the live decoders' loads, the weights."""
         for t in touches:
             if record_touch(self._pins.get(t.session_id), t, now):
                 self._changed(t.session_id, via)
                 self.totals.update(("turns", "plan_pinned_at_ingress"))
+                count_unreported(self._unreported, self._replicas, t.decoder, t.prompt_tokens)
             else:
                 self.totals["pin_touches_stale"] += 1
+        for p in placed:
+            self.totals.update(("turns", "plan_sessionless_at_ingress"))
+            count_unreported(self._unreported, self._replicas, p.decoder, p.prompt_tokens)
         changed, reset = self.changes.since(via, incarnation, after_seq)
         updates = tuple(PinUpdate(sid, p.decoder, p.user, p.turns, p.prompt_tokens) if (p := self._pins.get(sid)) else PinUpdate(sid, None)
                         for sid in changed)
         decoders = self.live("decode", now)
         self.totals["pin_syncs"] += 1
         return PinSync(self.changes.incarnation, self.changes.seq, updates, reset, tuple(sorted(r.replica_id for r in decoders)),
-                       pool_queueing=bool(decoders) and all(r.num_waiting > 0 for r in decoders), pool_in_flight=self.pool_in_flight(now))
+                       pool_queueing=bool(decoders) and all(r.num_waiting > 0 for r in decoders), pool_in_flight=self.pool_in_flight(now),
+                       decoder_loads=tuple(self._decoder_loads(now)), weights=self.settings.weights)
 
     def pin_of(self, session_id: str) -> Pin | None:
         p = self._pins.get(session_id)
@@ -311,18 +316,13 @@ class DirectoryState:
                   "age_s": round(now - r.at, 3), "cliff_eta_s": self.cliff_eta(rid, now)}
             for rid, r in self._replicas.items()
         }
+        t = self.totals
         return {
-            "policy": self.settings.policy,
-            "live_pins": len(self._pins),
-            "conversations_total": self.totals["conversations"],
-            "handoffs_planned_total": self.totals["planned_handoffs"],
-            "prefill_fallback_local_total": self.totals["prefill_fallback_local"],
-            "placed_without_kv_room_total": self.totals["placed_without_kv_room"],
+            "policy": self.settings.policy, "live_pins": len(self._pins), "conversations_total": t["conversations"],
+            "handoffs_planned_total": t["planned_handoffs"], "prefill_fallback_local_total": t["prefill_fallback_local"],
+            "placed_without_kv_room_total": t["placed_without_kv_room"],
             "handoffs_per_live_conversation": (handoffs / len(convs)) if convs else 0.0,
-            "turns_total": self.totals["turns"],
-            "owners_cached": len(self._owners),
-            "totals": dict(self.totals),
-            "replicas": replicas,
+            "turns_total": t["turns"], "owners_cached": len(self._owners), "totals": dict(t), "replicas": replicas,
         }
 
     def check_integrity(self) -> None:

@@ -11,6 +11,16 @@ ownership the directory checked then. A turn is planned from the cache only when
   remote prefill needs the directory's choice of prefill replica).
 Anything else is a miss: the directory plans the turn and its answer refills the entry.
 
+Turns outside a conversation (no session id) on an ingress without a prefill pool are planned
+here too (`plan_sessionless`): there is no owner to check, no pin to make and no remote prefill
+to arrange, only a decoder to choose, and the cache holds what the directory would choose it
+from: the live decoders' loads as of the last sync (`PinSync.decoder_loads`, the directory's own
+view: reports, pins, turns placed since the reports) plus the turns this ingress placed since,
+scored by the same policy function and weights (router/policy.plan_turn). Such a turn goes to the
+directory with its next sync (`Placed`), which counts it as load on its decoder until that
+decoder reports. A stale sync, no live decoder, or a policy the cache does not serve: the
+directory plans the turn.
+
 Sync (every period, deployments/pin_sync.py): the ingress sends the turns it planned from the
 cache (`Touch`: the directory records them as if it had routed them: last seen, turn count, the
 context the decoder holds) and the last change it has seen; the directory answers `PinSync`: the
@@ -39,15 +49,17 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from router.policy import PINNING, Policy, TurnPlan, needs_remote_prefill
+from router.policy import PINNING, NoReplicaAvailable, Policy, TurnPlan, needs_remote_prefill, plan_turn
+from router.scoring import LoadWeights, ReplicaLoad
 
 FRESHNESS_PERIODS = 2.0  # a cached pin is used only while the last sync is at most this many periods old
 DEFAULT_CAPACITY = 100_000
 DEFAULT_MAX_PENDING = 100_000
 TOTALS = ("hits", "misses", "misses_unknown", "misses_other_user", "misses_stale", "misses_not_live", "misses_remote_prefill",
-          "invalidated", "updated", "resets", "forgotten", "evicted", "syncs", "sync_failures", "touches_dropped")  # what snapshot() reports, 0 until counted
+          "invalidated", "updated", "resets", "forgotten", "evicted", "syncs", "sync_failures", "touches_dropped",
+          "sessionless_hits", "sessionless_misses")  # what snapshot() reports, 0 until counted
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,14 @@ class Touch:
     decoder: str
     prompt_tokens: int
     age_s: float  # how long before the sync it was planned (clocks of two processes are not compared)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A turn outside a conversation this ingress placed from its cache's view of the loads."""
+
+    decoder: str
+    prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -83,6 +103,8 @@ class PinSync:
     live_decoders: tuple[str, ...]
     pool_queueing: bool = False
     pool_in_flight: int = 0
+    decoder_loads: tuple[ReplicaLoad, ...] = ()  # the live decoders' loads as the directory places on them
+    weights: LoadWeights = LoadWeights()  # the directory's placement weights
 
 
 @dataclass
@@ -113,6 +135,10 @@ class PinCache:
         self._live: frozenset[str] = frozenset()
         self.pool_queueing = False
         self.pool_in_flight = 0
+        self._loads: tuple[ReplicaLoad, ...] = ()
+        self._weights = LoadWeights()
+        self._placed: list[Placed] = []  # sessionless turns placed here, not yet sent to the directory
+        self._placed_sent: list[Placed] = []  # sent with the sync in flight (not in its view until it answers)
         self.totals: Counter[str] = Counter()
 
     # ---- turns ---------------------------------------------------------------------------
@@ -145,6 +171,29 @@ class PinCache:
         self.totals["hits"] += 1
         return TurnPlan(entry.decoder, remote_prefill=False, reason="pinned", turn_index=turn_index,
                         pool_queueing=self.pool_queueing, pool_in_flight=self.pool_in_flight)
+
+    def plan_sessionless(self, prompt_tokens: int) -> TurnPlan | None:
+        """A turn without a session id, placed on the decoder the directory's policy would choose
+        from the last sync's loads plus this ingress's placements since; None: ask the directory.
+        Call it only where no remote prefill is possible (no prefill pool)."""
+        now = self._clock()
+        loads = [load for load in self._loads if load.replica_id in self._live]
+        if not self.enabled or not self.fresh(now) or not loads:
+            self.totals["sessionless_misses"] += 1
+            return None
+        try:
+            plan = plan_turn(self.policy, pinned=None, decoders=with_placed(loads, self._placed_sent + self._placed), prompt_tokens=prompt_tokens,
+                             prefill_available=False, rr_counter=0, w=self._weights, threshold_tokens=self._threshold)
+        except NoReplicaAvailable:
+            self.totals["sessionless_misses"] += 1
+            return None
+        self._placed.append(Placed(plan.decode_replica, prompt_tokens))
+        if len(self._placed) > self._max_pending:
+            self._placed.pop(0)
+            self.totals["touches_dropped"] += 1
+        self.totals["sessionless_hits"] += 1
+        return TurnPlan(plan.decode_replica, remote_prefill=False, reason=plan.reason, kv_overflow=plan.kv_overflow,
+                        pool_queueing=self.pool_queueing, pool_in_flight=self.pool_in_flight + len(self._placed_sent) + len(self._placed))
 
     def remember(self, session_id: str | None, user: str | None, plan: TurnPlan, prompt_tokens: int) -> None:
         """The directory planned this turn (and checked `user` owns the conversation): cache its pin."""
@@ -186,8 +235,16 @@ class PinCache:
         self._pending = []
         return out
 
-    def give_back(self, touches: Iterable[Touch]) -> None:
-        """A sync that failed: its touches go out with the next one (oldest first, within max_pending)."""
+    def take_placed(self) -> list[Placed]:
+        """The sessionless placements since the last sync, handed over to one sync (they count as
+        this ingress's own load until its answer, which has them in its view)."""
+        self._placed_sent, self._placed = self._placed_sent + self._placed, []
+        return list(self._placed_sent)
+
+    def give_back(self, touches: Iterable[Touch], placed: Iterable[Placed] = ()) -> None:
+        """A sync that failed: its touches and placements go out with the next one (oldest first, within max_pending)."""
+        self._placed = [*placed, *self._placed][-self._max_pending:]
+        self._placed_sent = []
         now = self._clock()
         back = [(Touch(t.session_id, t.user, t.decoder, t.prompt_tokens, 0.0), now - t.age_s) for t in touches]
         merged = back + self._pending
@@ -234,6 +291,8 @@ class PinCache:
 
     def _view(self, sync: PinSync) -> None:
         self._live = frozenset(sync.live_decoders)
+        self._loads, self._weights = sync.decoder_loads, sync.weights
+        self._placed_sent = []  # the directory counted them before answering
         self.pool_queueing = sync.pool_queueing
         self.pool_in_flight = sync.pool_in_flight
         self._synced_at = self._clock()
@@ -249,13 +308,13 @@ class PinCache:
     def snapshot(self) -> dict[str, object]:
         counts = {k: self.totals[k] for k in TOTALS}
         return {"enabled": self.enabled, "sync_period_s": self.sync_period_s, "entries": len(self._entries),
-                "pending_touches": len(self._pending), "fresh": self.fresh(), "live_decoders": len(self._live), **counts}
+                "pending_touches": len(self._pending), "pending_placed": len(self._placed), "fresh": self.fresh(), "live_decoders": len(self._live), **counts}
 
     def check_integrity(self) -> None:
         if len(self._entries) > self._capacity:
             raise AssertionError("more cached pins than the capacity")
-        if len(self._pending) > self._max_pending:
-            raise AssertionError("more pending touches than max_pending")
+        if len(self._pending) > self._max_pending or len(self._placed) > self._max_pending:
+            raise AssertionError("more pending touches or placements than max_pending")
         if self._seq < 0:
             raise AssertionError("negative seq")
         for sid, e in self._entries.items():
@@ -263,4 +322,19 @@ class PinCache:
                 raise AssertionError(f"bad cached pin {sid!r}: {e}")
 
 
-__all__ = ["FRESHNESS_PERIODS", "PinCache", "PinSync", "PinUpdate", "Touch"]
+def with_placed(loads: Iterable[ReplicaLoad], placed: Iterable[Placed]) -> list[ReplicaLoad]:
+    """The loads plus turns placed on them since (one more request in flight and its prompt's KV each)."""
+    extra: dict[str, tuple[int, int]] = {}
+    for p in placed:
+        turns, tokens = extra.get(p.decoder, (0, 0))
+        extra[p.decoder] = (turns + 1, tokens + p.prompt_tokens)
+    out = []
+    for load in loads:
+        turns, tokens = extra.get(load.replica_id, (0, 0))
+        grown = tokens / load.kv_capacity_tokens if load.kv_capacity_tokens else 0.0
+        out.append(replace(load, kv_usage=load.kv_usage + grown, kv_held=load.kv_held + grown, in_flight=load.in_flight + turns)
+                   if turns else load)
+    return out
+
+
+__all__ = ["FRESHNESS_PERIODS", "PinCache", "PinSync", "PinUpdate", "Placed", "Touch", "with_placed"]

@@ -13,10 +13,11 @@ from ray import exceptions as rx
 
 from baton.engine.types import GenerationRequest, SamplingSpec
 from router.directory_state import DirectorySettings, DirectoryState
-from router.pin_cache import PinCache, PinSync, PinUpdate, Touch
+from router.pin_cache import PinCache, PinSync, PinUpdate, Placed, Touch, with_placed
 from router.pin_log import PinChangeLog
 from router.policy import TurnPlan
 from router.report import ReplicaReport
+from router.scoring import LoadWeights, ReplicaLoad
 
 with warnings.catch_warnings():  # Ray Serve's own pydantic models warn on import
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -388,3 +389,117 @@ def test_two_ingresses_over_one_directory_share_a_conversation_without_dropping_
     assert indices == [2, 3, 4, 5]
     assert state.pin_of("s").turns == 6  # type: ignore[union-attr]
     state.check_integrity()
+
+
+# ---- turns outside a conversation -----------------------------------------------------------------
+
+
+def loaded(kv: dict[str, float], *, capacity: int = 1000, live: tuple[str, ...] | None = None) -> PinSync:
+    loads = tuple(ReplicaLoad(d, kv_usage=u, kv_capacity_tokens=capacity) for d, u in kv.items())
+    return PinSync("dir-1", 0, (), False, live if live is not None else tuple(kv), decoder_loads=loads, weights=LoadWeights(queue_weight=0.0))
+
+
+def test_a_sessionless_turn_goes_to_the_least_loaded_decoder_of_the_view_and_counts_its_own_placements() -> None:
+    clock = Clock(1.0)
+    c = cache("colocated", clock=clock)
+    assert c.plan_sessionless(100) is None  # never synced: no view of the loads
+    c.apply(loaded({"d0": 0.5, "d1": 0.2}))
+    first = c.plan_sessionless(400)
+    assert first is not None and first.decode_replica == "d1" and not first.remote_prefill
+    second = c.plan_sessionless(400)  # d1 now holds 0.2 + 0.4 of its pool by this ingress's own count
+    assert second is not None and second.decode_replica == "d0"
+    assert c.totals["sessionless_hits"] == 2 and c.totals["sessionless_misses"] == 1
+    c.check_integrity()
+
+
+def test_sessionless_placements_go_to_the_directory_once_and_count_until_its_answer() -> None:
+    c = cache("colocated")
+    c.apply(loaded({"d0": 0.0, "d1": 0.1}))
+    assert c.plan_sessionless(300).decode_replica == "d0"  # type: ignore[union-attr]
+    sent = c.take_placed()
+    assert sent == [Placed("d0", 300)]
+    assert c.plan_sessionless(1).decode_replica == "d1"  # type: ignore[union-attr]  # still counted while the sync is in flight
+    assert c.take_placed() == [Placed("d0", 300), Placed("d1", 1)]  # a second sync before an answer carries both
+    c.give_back([], [Placed("d0", 300), Placed("d1", 1)])  # that sync failed
+    assert c.take_placed() == [Placed("d0", 300), Placed("d1", 1)]
+    c.apply(loaded({"d0": 0.3, "d1": 0.1}))  # the answer has them in its loads: no longer added here
+    assert c.take_placed() == []
+    assert c.plan_sessionless(10).decode_replica == "d1"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("policy", ["per_turn_pd", "round_robin"])
+def test_policies_the_cache_does_not_serve_send_sessionless_turns_to_the_directory(policy: str) -> None:
+    c = cache(policy)
+    c.apply(loaded({"d0": 0.0}))
+    assert c.plan_sessionless(10) is None
+
+
+def test_a_stale_view_or_a_dead_decoder_is_not_placed_on() -> None:
+    clock = Clock(0.0)
+    c = cache("colocated", period=0.5, clock=clock)
+    c.apply(loaded({"d0": 0.0, "d1": 0.9}))
+    c.forget_decoder("d0")  # a request failed on it here
+    assert c.plan_sessionless(10).decode_replica == "d1"  # type: ignore[union-attr]
+    c.apply(loaded({"d0": 0.0, "d1": 0.9}, live=("d1",)))  # the directory's loads of a decoder it no longer counts live
+    assert c.plan_sessionless(10).decode_replica == "d1"  # type: ignore[union-attr]
+    clock.t = 1.01  # more than two periods since the sync
+    assert c.plan_sessionless(10) is None
+
+
+def test_with_placed_adds_requests_and_their_prompts_kv_to_the_loads() -> None:
+    base = [ReplicaLoad("d0", kv_usage=0.1, kv_capacity_tokens=1000, in_flight=1), ReplicaLoad("d1")]
+    d0, d1 = with_placed(base, [Placed("d0", 100), Placed("d0", 50), Placed("d1", 10)])
+    assert (d0.in_flight, d0.kv_usage, d0.kv_held) == (3, pytest.approx(0.25), pytest.approx(0.15))
+    assert (d1.in_flight, d1.kv_usage) == (1, 0.0)  # capacity unknown: no KV term, as the directory counts it
+
+
+def test_the_directory_counts_sessionless_placements_and_touches_as_load_until_the_decoder_reports() -> None:
+    state = directory("colocated")
+    for d in ("d0", "d1"):
+        state.report(ReplicaReport(d, "decode", kv_capacity_tokens=1000), 0.0)
+    start = state.sync("ing-a", None, 0, [], 1.0)
+    assert {load.replica_id: load.kv_usage for load in start.decoder_loads} == {"d0": 0.0, "d1": 0.0}
+    state.route("s", "ana", 100, 1.0, via="ing-a")
+    pinned_on = state.pin_of("s").decoder  # type: ignore[union-attr]
+    reply = state.sync("ing-a", start.incarnation, start.seq, [Touch("s", "ana", pinned_on, 200, 0.0)], 1.5,
+                       placed=[Placed("d0", 300), Placed("gone", 5)])  # a decoder the directory never heard of carries nothing
+    loads = {load.replica_id: load for load in reply.decoder_loads}
+    on_d0 = 300 + (100 + 200 if pinned_on == "d0" else 0)
+    assert loads["d0"].kv_usage == pytest.approx(on_d0 / 1000)
+    assert state.totals["plan_sessionless_at_ingress"] == 2 and reply.weights == state.settings.weights
+    state.report(ReplicaReport("d0", "decode", kv_capacity_tokens=1000), 2.0)  # its report now shows them
+    assert {load.replica_id: load.in_flight for load in state.sync("ing-a", reply.incarnation, reply.seq, [], 2.0).decoder_loads}["d0"] == 0
+    state.check_integrity()
+
+
+def sessionless(n: int = 3) -> GenerationRequest:
+    return GenerationRequest(request_id=f"r-none-{n}", prompt_token_ids=tuple(range(n)), sampling=SamplingSpec(max_tokens=2))
+
+
+def test_the_backend_places_sessionless_turns_from_the_cache_without_a_prefill_pool_only() -> None:
+    state = directory("colocated")
+    decode = FakePoolHandle(lambda req: FakeResponseStream(scripted_deltas(2, replica=req.target_replica)))
+    backend, syncer, fake = backend_over(state, decode)
+    run_turns(backend, syncer, [sessionless(3), sessionless(4), sessionless(5)])
+    assert len(fake.called("route")) == 1  # before the first sync the cache has no view: the directory placed it
+    assert all(r.target_replica in ("d0", "d1") for r in decode.sent)  # a target, so a lost decoder is re-placed
+    assert syncer.cache.totals["sessionless_hits"] == 2 and state.totals["plan_sessionless_at_ingress"] == 2
+
+    with_prefill = PoolBackend(decode, FakePoolHandle(lambda req: FakeResponseStream(scripted_deltas(1))), fake, pins=syncer)
+    run_turns(with_prefill, syncer, [sessionless(6)])
+    assert len(fake.called("route")) == 2  # a prefill pool: the directory decides on a remote prefill
+
+
+def test_a_decoder_lost_before_the_first_token_of_a_sessionless_turn_is_replaced_away_from_it() -> None:
+    state = directory("colocated")
+    sent: list[str | None] = []
+
+    def script(req: GenerationRequest) -> FakeResponseStream:
+        sent.append(req.target_replica)
+        if len(sent) == 2:  # the second turn (placed from the cache) meets a dead decoder
+            return FakeResponseStream(scripted_deltas(2), error=rx.ActorDiedError(), error_after=0)
+        return FakeResponseStream(scripted_deltas(2, replica=req.target_replica))
+
+    backend, syncer, fake = backend_over(state, FakePoolHandle(script))
+    run_turns(backend, syncer, [sessionless(3), sessionless(4)])
+    assert fake.called("replica_failed") == [(sent[1],)] and sent[2] not in (None, sent[1])
