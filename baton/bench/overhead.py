@@ -6,10 +6,16 @@ bare  : vLLM's LLMEngine driven directly in one process (no HTTP, no Ray): the R
 serve : `vllm serve` (vLLM's own OpenAI server, AsyncLLM) with the same engine arguments, over
         HTTP with the same client: what a user running vLLM alone gets, a second baseline.
 baton : `ray start` + `serve run` of a Baton config with one decode engine replica, over HTTP
-        (/v1/completions with token-id prompts, SSE), the client in this process.
-Both get the same warm-up requests first, then two passes over the same prompts in the same
+        (/v1/completions with token-id prompts, SSE) through Serve's HTTP proxy, the client in
+        this process.
+baton_direct: the same with Ray Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1, an
+        experimental Ray 2.60 flag set for the whole Ray cluster): the ingress replica serves HTTP
+        itself on a port of its own (the proxy's + 1 here), so a request skips the proxy's hop to
+        the replica, the replica's call back to the proxy for the request body, and the stream's
+        way back through the proxy. The `_direct_ingress` ratios of the RESULT line.
+All get the same warm-up requests first, then two passes over the same prompts in the same
 order: at the closed-loop concurrency (the RESULT's ratios), then one at a time (concurrency 1:
-the per-request overhead alone). The concurrency-1 pass comes second so that every one of its
+the per-request overhead alone; the prompts C1_PASSES times over, for enough samples). The concurrency-1 pass comes second so that every one of its
 requests meets the same cache state in both phases (its prompts' prefixes already cached), and
 its median is over all the prompts, not a cold/warm mix. Every Baton request's Server-Timing header gives its hops (deployments/hop_timing.py);
 `outside` = the client's TTFT minus the server's `total` (the HTTP proxy both ways and the
@@ -32,6 +38,15 @@ from baton.paths import REPO_ROOT, SAMPLE_TRACES
 
 ROOT = REPO_ROOT
 TRACE = SAMPLE_TRACES / "agentic_small.jsonl"
+C1_PASSES = 3
+
+
+def direct_ingress_env(http_port: int) -> dict[str, str]:
+    """Ray Serve's direct ingress, the ingress replica on http_port + 1 (the proxy keeps http_port),
+    drained in 1 s instead of Ray's 30 s floor (a bench, not a rolling update)."""
+    port = str(http_port + 1)
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": port,
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http_port + 20), "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
 
 
 def build_prompts(model_path: str, n: int) -> list[list[int]]:
@@ -76,7 +91,7 @@ def _bare_phase(model_path: str, prompts: list[list[int]], max_tokens: int, conc
         while engine.has_unfinished_requests():
             engine.step()
     timings, wall = _bare_loop(engine, params, prompts, max_tokens, concurrency, "r")
-    single = _bare_loop(engine, params, prompts, max_tokens, 1, "s")
+    single = _bare_loop(engine, params, prompts * C1_PASSES, max_tokens, 1, "s")
     out.put({"summary": asdict(summarize_phase("bare_vllm", timings, wall)), "single": asdict(summarize_phase("bare_vllm_c1", *single)),
              "start_s": start_s, "rss_bytes": _rss()})
 
@@ -102,7 +117,10 @@ def _bare_loop(engine: Any, params: Any, prompts: list[list[int]], max_tokens: i
     return timings, time.monotonic() - t_start
 
 
-def _baton_phase(model_path: str, prompts: list[list[int]], max_tokens: int, concurrency: int, warmup: list[list[int]]) -> dict[str, Any]:
+def _baton_phase(model_path: str, prompts: list[list[int]], max_tokens: int, concurrency: int, warmup: list[list[int]],
+                 direct: bool = False) -> dict[str, Any]:
+    import httpx
+
     from baton.bench.cluster import LocalServeApp, replica_rss_bytes
 
     cfg = _engine_config(8192).model_dump()
@@ -112,13 +130,18 @@ def _baton_phase(model_path: str, prompts: list[list[int]], max_tokens: int, con
         "prefill": {"num_replicas": 0, "engine": cfg},
         "decode": {"num_replicas": 1, "resources": {"num_cpus": 1, "custom": {"decode_slot": 1}}, "engine": cfg},
     }
-    with LocalServeApp(args, resources={"decode_slot": 1}) as app:
-        url = f"{app.url}/v1/completions"
+    port = 28000
+    with LocalServeApp(args, resources={"decode_slot": 1}, http_port=port, env=direct_ingress_env(port) if direct else None) as app:
+        base = f"http://127.0.0.1:{port + 1}" if direct else app.url
+        if direct and httpx.get(f"{base}/health", timeout=30).json().get("status") != "ok":
+            raise RuntimeError(f"the ingress replica does not serve on {base} under direct ingress")
+        url = f"{base}/v1/completions"
         rss = replica_rss_bytes("decode")
         asyncio.run(_http_closed_loop(url, warmup, max_tokens, 1))
         timings, wall, hops = asyncio.run(_http_closed_loop(url, prompts, max_tokens, concurrency))
-        single_t, single_wall, single_hops = asyncio.run(_http_closed_loop(url, prompts, max_tokens, 1))
-    return {"summary": asdict(summarize_phase("baton", timings, wall)), "single": asdict(summarize_phase("baton_c1", single_t, single_wall)),
+        single_t, single_wall, single_hops = asyncio.run(_http_closed_loop(url, prompts * C1_PASSES, max_tokens, 1))
+    name = "baton_direct" if direct else "baton"
+    return {"summary": asdict(summarize_phase(name, timings, wall)), "single": asdict(summarize_phase(f"{name}_c1", single_t, single_wall)),
             "hops": hop_breakdown(hops), "hops_single": hop_breakdown(single_hops), "start_s": app.start_seconds,
             "rss_bytes": rss[0] if rss else 0}
 
@@ -171,7 +194,7 @@ def _vllm_serve_phase(model_path: str, prompts: list[list[int]], max_tokens: int
         url = f"http://127.0.0.1:{port}/v1/completions"
         asyncio.run(_http_closed_loop(url, warmup, max_tokens, 1))
         timings, wall, _ = asyncio.run(_http_closed_loop(url, prompts, max_tokens, concurrency))
-        single_t, single_wall, _ = asyncio.run(_http_closed_loop(url, prompts, max_tokens, 1))
+        single_t, single_wall, _ = asyncio.run(_http_closed_loop(url, prompts * C1_PASSES, max_tokens, 1))
     finally:
         _stop_group(proc, signal)
     return {"summary": asdict(summarize_phase("vllm_serve", timings, wall)), "single": asdict(summarize_phase("vllm_serve_c1", single_t, single_wall)),
@@ -274,6 +297,9 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     print(f"[overhead] Baton     : {baton['summary']}")
     print(f"[overhead] Baton hops at concurrency 1 (median s): {baton['hops_single']}")
     print(f"[overhead] Baton hops at concurrency {concurrency} (median s): {baton['hops']}")
+    direct = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup, direct=True)
+    print(f"[overhead] Baton, direct ingress: {direct['summary']}")
+    print(f"[overhead] Baton, direct ingress, hops at concurrency 1 (median s): {direct['hops_single']}")
     b, s = bare["summary"], baton["summary"]
     ratios = {
         "ttft_p50_ratio_c1": baton["single"]["ttft_p50_s"] / bare["single"]["ttft_p50_s"],
@@ -285,11 +311,15 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "ttft_p50_ratio_vs_vllm_serve": s["ttft_p50_s"] / served["summary"]["ttft_p50_s"],
         "ttft_p50_ratio_c1_vs_vllm_serve": baton["single"]["ttft_p50_s"] / served["single"]["ttft_p50_s"],
         "throughput_ratio_vs_vllm_serve": s["output_tok_per_s"] / served["summary"]["output_tok_per_s"],
+        # Serve's direct ingress (no HTTP proxy in the request's path)
+        "ttft_p50_ratio_direct_ingress": direct["summary"]["ttft_p50_s"] / b["ttft_p50_s"],
+        "ttft_p50_ratio_c1_direct_ingress": direct["single"]["ttft_p50_s"] / bare["single"]["ttft_p50_s"],
     }
     report = {"quick": quick, "requests": n, "max_tokens": max_tokens, "concurrency": concurrency, "bare": bare, "vllm_serve": served,
-              "baton": baton, "ratios": ratios}
+              "baton": baton, "baton_direct": direct, "ratios": ratios, "c1_passes": C1_PASSES}
     (out_dir / "overhead.json").write_text(json.dumps(report, indent=2))
-    _plot([("bare vLLM", PhaseSummary(**b)), ("vllm serve", PhaseSummary(**served["summary"])), ("Baton", PhaseSummary(**s))],
+    _plot([("bare vLLM", PhaseSummary(**b)), ("vllm serve", PhaseSummary(**served["summary"])), ("Baton", PhaseSummary(**s)),
+           ("Baton direct", PhaseSummary(**direct["summary"]))],
           out_dir / "overhead.png")
     print(json.dumps(report, indent=2))
     print(f"[overhead] wrote {out_dir / 'overhead.json'} and {out_dir / 'overhead.png'}")
@@ -297,7 +327,9 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         f"RESULT ttft_p50_ratio={ratios['ttft_p50_ratio']:.3f} ttft_p50_ratio_c1={ratios['ttft_p50_ratio_c1']:.3f} e2e_p50_ratio={ratios['e2e_p50_ratio']:.3f} "
         f"throughput_ratio={ratios['throughput_ratio']:.3f} ttft_p50_ratio_vs_vllm_serve={ratios['ttft_p50_ratio_vs_vllm_serve']:.3f} "
         f"ttft_p50_ratio_c1_vs_vllm_serve={ratios['ttft_p50_ratio_c1_vs_vllm_serve']:.3f} "
-        f"throughput_ratio_vs_vllm_serve={ratios['throughput_ratio_vs_vllm_serve']:.3f} baton_start_s={baton['start_s']:.1f} "
+        f"throughput_ratio_vs_vllm_serve={ratios['throughput_ratio_vs_vllm_serve']:.3f} "
+        f"ttft_p50_ratio_direct_ingress={ratios['ttft_p50_ratio_direct_ingress']:.3f} "
+        f"ttft_p50_ratio_c1_direct_ingress={ratios['ttft_p50_ratio_c1_direct_ingress']:.3f} baton_start_s={baton['start_s']:.1f} "
         f"replica_rss_gib={baton['rss_bytes'] / (1 << 30):.2f}"
     )
     return report
