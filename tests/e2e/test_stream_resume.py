@@ -101,6 +101,23 @@ def resumes(url: str) -> dict[str, int]:
     return snap["ingress"]["stream_resumes"]
 
 
+def test_requests_without_a_session_are_placed_at_the_ingress_and_counted_by_the_directory(url: str) -> None:
+    """No prefill pool: once the ingress's pin cache has synced, a sessionless request is placed
+    from its view of the decoders' loads (router/pin_cache.py), without a directory call."""
+    hits = 0
+    for i in range(8):
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": f"Count to {i}:", "max_tokens": 2, "temperature": 0}, timeout=120)
+        assert r.status_code == 200 and r.headers["x-baton-replica"], r.text
+        snap = httpx.get(f"{url}/baton/stats", timeout=30).json()
+        hits = snap["ingress"]["pin_cache"]["sessionless_hits"]
+        if hits >= 2:
+            break
+        time.sleep(0.3)
+    assert hits >= 2, json.dumps(snap["ingress"]["pin_cache"])
+    # the stats call flushed the ingress's placements: the directory counted them as turns
+    assert snap["totals"].get("plan_sessionless_at_ingress", 0) >= 2, json.dumps(snap["totals"])
+
+
 def test_a_decoder_killed_mid_stream_leaves_the_greedy_stream_unchanged(url: str) -> None:
     reference = stream_chat(url, f"resume-ref-{uuid.uuid4().hex[:8]}")
     assert reference.done == 1 and not reference.errors and reference.finish_reasons == ["length"]
