@@ -88,8 +88,8 @@ class PoolBackend:
     pins: this ingress's cache of the directory's pins (deployments/pin_sync.py): a pinned
     conversation's turn is planned from it when it can be (router/pin_cache.py), else by the
     directory, whose answer refills it; so is a turn without a session id when there is no
-    prefill pool (the cache's view of the decoders' loads). A decoder that fails here drops its cached pins; a turn
-    that ran elsewhere than planned drops its conversation's."""
+    prefill pool (from the cache's view of the decoders' loads). A decoder that fails here drops
+    its cached pins; a turn that ran elsewhere than planned drops its conversation's."""
 
     def __init__(self, decode: Any, prefill: Any | None = None, directory: Any | None = None, resumes: ResumeMetrics | None = None,
                  load_hint: Callable[[TurnPlan], None] | None = None, pins: PinSyncer | None = None):

@@ -8,7 +8,8 @@ conversation (`end_conversation`). Every turn with a session id is checked (and 
 claimed) before it is placed.
 
 Ingresses cache pins (router/pin_cache.py): pin changes are logged (router/pin_log.py), and the
-turns an ingress planned from its cache come back as touches, recorded like routed turns.
+turns an ingress planned from its cache come back as touches, recorded like routed turns; the
+sessionless turns it placed from its view of the loads come back as unreported load.
 
 Pins survive a directory restart through the decoders: each reports the conversations it served
 lately (ReplicaReport.conversations) and a fresh directory adopts a pin for each conversation it
