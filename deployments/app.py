@@ -169,6 +169,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
         prefix_cache=cfg.isolation.prefix_cache,
         tool_call_parser=check_tool_parser(cfg.ingress.tool_call_parser),
         chat_template=chat_template_path(cfg.ingress.chat_template),
+        incremental_tokenization=cfg.ingress.incremental_tokenization,
         policy=r.policy,
         pin_cache_sync_s=r.pin_cache_sync_s,
         conditional_pd_threshold_tokens=r.conditional_pd_threshold_tokens,

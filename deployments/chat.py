@@ -7,36 +7,67 @@ Tools: a request's tools go to the template as its `tools` argument (`with_tools
 that knows `tool_calls` (its source names them) gets assistant tool calls as structured
 `tool_calls` (arguments parsed from their JSON string, as vLLM's renderer does) and tool results
 with their `tool_call_id`; any other template gets them as JSON text in the message's content.
-`chat_template` (config `ingress.chat_template`) replaces the model's template with a file's."""
+`chat_template` (config `ingress.chat_template`) replaces the model's template with a file's.
+
+`incremental` (config `ingress.incremental_tokenization`): a conversation's turn tokenizes only
+what its rendering appended to the previous turn's (deployments/token_prefix.py), keyed by the
+caller (the frontend: user and session id), after a probe on this tokenizer and template said
+the result equals whole tokenization; otherwise every prompt is tokenized whole."""
 from __future__ import annotations
 
 import copy
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from deployments.errors import bad_request
 from deployments.protocol import ChatMessage
+from deployments.token_prefix import PrefixTokens, probe
+
+logger = logging.getLogger("ray.serve")
+
+# successive renderings of this conversation check incremental tokenization against whole
+_PROBE = [{"role": "system", "content": "You help.  Tools: {\"f\": [1, 2]}\n"}, {"role": "user", "content": " Hi,\tthere!! 123 4567 ümlaut 数字"},
+          {"role": "assistant", "content": "Sure:\n\n  - one\n- two "}, {"role": "user", "content": "and  then?\n"},
+          {"role": "assistant", "content": "<tool>{\"x\": 1}</tool>"}, {"role": "user", "content": "ok."}]
 
 
 class PromptRenderer:
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, incremental: bool = False):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template")
         self._tok = tokenizer
         self._vocab_size = len(tokenizer)
         self._tools: list[dict[str, Any]] | None = None
         self.structured_tool_calls = "tool_calls" in str(tokenizer.chat_template)
+        self._prefix = self._prefix_tokens() if incremental else None
 
     @classmethod
-    def from_path(cls, path: str, chat_template: str | None = None) -> PromptRenderer:
+    def from_path(cls, path: str, chat_template: str | None = None, incremental: bool = False) -> PromptRenderer:
         """chat_template: a Jinja file that replaces the model's own template."""
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(path)
         if chat_template is not None:
             tok.chat_template = Path(chat_template).read_text()
-        return cls(tok)
+        return cls(tok, incremental)
+
+    def _prefix_tokens(self) -> PrefixTokens | None:
+        decoder = getattr(self._tok, "added_tokens_decoder", {})
+        special = {t.content: i for i, t in decoder.items() if getattr(t, "special", False) and t.content}
+        turns = [self.chat_text(self.template_messages([ChatMessage.model_validate(m) for m in _PROBE[:k]])) for k in (2, 4, 6)]
+        if not special or not probe(self.text_tokens, special, turns):
+            logger.warning("incremental tokenization is off: on this tokenizer and template it does not reproduce whole tokenization")
+            return None
+        return PrefixTokens(self.text_tokens, special)
+
+    @property
+    def incremental(self) -> bool:
+        return self._prefix is not None
+
+    def prefix_snapshot(self) -> dict[str, int] | None:
+        return self._prefix.snapshot() if self._prefix is not None else None
 
     @property
     def tokenizer(self) -> Any:
@@ -54,8 +85,10 @@ class PromptRenderer:
         view._tools = tools
         return view
 
-    def chat_tokens(self, messages: list[ChatMessage]) -> list[int]:
-        return self.text_tokens(self.chat_text(self.template_messages(messages)))
+    def chat_tokens(self, messages: list[ChatMessage], key: str | None = None) -> list[int]:
+        """key: the conversation the messages belong to (None: tokenized whole)."""
+        text = self.chat_text(self.template_messages(messages))
+        return self._prefix.tokens(key, text) if self._prefix is not None else self.text_tokens(text)
 
     def chat_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The chat template applied to template messages (role, content)."""

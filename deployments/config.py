@@ -102,6 +102,7 @@ class IngressConfig(_Strict):
         None, ge=1, description="characters of a prompt (chat messages, or a text completion prompt), counted before "
         "tokenization; beyond: 400 context_length_exceeded. Default: 32 × the context length")
     render_threads: int = Field(2, ge=1, le=64, description="threads that template and tokenize prompts, off the event loop")
+    incremental_tokenization: bool = Field(True, description="a conversation's turn tokenizes only what it appended (deployments/token_prefix.py)")
     tool_call_parser: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_.-]{1,64}$",
         description="vLLM tool parser that reads this model's tool calls (a name vLLM's ToolParserManager knows: hermes, "

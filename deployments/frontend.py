@@ -136,7 +136,8 @@ class OpenAIFrontend:
         self._check_common(body, with_memory=memory is not None)
         plan = self._tools.plan(body)  # tools are part of the prompt, as the model's template renders them
         renderer = self._renderer.with_tools(plan.template_tools if plan else None)
-        ids = list(memory.token_ids) if memory is not None else renderer.chat_tokens(body.messages)
+        key = f"{body.user or ''}\x00{session_id}" if session_id else None  # its turns tokenize what they append (token_prefix.py)
+        ids = list(memory.token_ids) if memory is not None else renderer.chat_tokens(body.messages, key)
         p = self._prepared("chat", body, ids, body.requested_max_tokens(), session_id, plan)
         if memory is None:
             return p

@@ -46,6 +46,7 @@ class IngressSettings:
     prefix_cache: PrefixCacheScope = "tenant"  # which requests may share prefix-cache KV (deployments/salt.py)
     tool_call_parser: str | None = None  # vLLM's tool parser for this model (None: no tool calling)
     chat_template: str | None = None  # absolute path of a template that replaces the model's (None: its own)
+    incremental_tokenization: bool = True  # deployments/token_prefix.py
     policy: Policy = "conversation"  # the routing policy (the pin cache plans only under pinning ones)
     pin_cache_sync_s: float = 0.0  # routing.pin_cache_sync_s: 0, every turn asks the directory
     conditional_pd_threshold_tokens: int = DEFAULT_CONDITIONAL_PD_THRESHOLD_TOKENS
@@ -58,7 +59,8 @@ class Ingress:
         self._directory = directory
         self._settings = settings
         self._api_keys = api_keys_from_env(settings.api_keys_env, os.environ)
-        renderer = PromptRenderer.from_path(settings.model_path, settings.chat_template)
+        renderer = PromptRenderer.from_path(settings.model_path, settings.chat_template, settings.incremental_tokenization)
+        self._renderer = renderer
         tools = ToolCalling(settings.tool_call_parser, renderer.tokenizer, settings.model_id)
         self._memory = None
         if settings.memory is not None and memory_store is not None:
@@ -129,7 +131,7 @@ class Ingress:
         replica's chat admission (mode, current limit, counts; deployments/inflight.py), and its
         real-time sessions (live, AIMD cap, overload mode, sessions shed; deployments/realtime_api.py)."""
         ingress: dict[str, Any] = {"stream_resumes": dict(self._metrics.resume_totals), "admission": self._admission.snapshot(),
-                                   "pin_cache": self._backend.pin_cache_snapshot()}
+                                   "pin_cache": self._backend.pin_cache_snapshot(), "prompt_prefix_tokens": self._renderer.prefix_snapshot()}
         if self._realtime is not None:
             ingress["realtime"] = self._realtime.snapshot()
         return {**await self._stats(), "ingress": ingress}

@@ -13,7 +13,10 @@ baton_direct: the same with Ray Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_
         itself on a port of its own (the proxy's + 1 here), so a request skips the proxy's hop to
         the replica, the replica's call back to the proxy for the request body, and the stream's
         way back through the proxy. The `_direct_ingress` ratios of the RESULT line.
-All get the same warm-up requests first, then two passes over the same prompts in the same
+prepare: in this process, the ingress's prompt preparation per turn of the bundled agentic
+        conversations replayed three times over (baton/bench/prompt_prefix.py): whole vs
+        incremental tokenization (deployments/token_prefix.py), the same ids required.
+All HTTP phases get the same warm-up requests first, then two passes over the same prompts in the same
 order: at the closed-loop concurrency (the RESULT's ratios), then one at a time (concurrency 1:
 the per-request overhead alone; the prompts C1_PASSES times over, for enough samples). The concurrency-1 pass comes second so that every one of its
 requests meets the same cache state in both phases (its prompts' prefixes already cached), and
@@ -289,6 +292,11 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     print(f"[overhead] {n} prompts ({sum(map(len, prompts)) // n} tokens mean), max_tokens={max_tokens}, concurrency={concurrency}")
     # warm-up: two short prompts, unrelated to the measured ones (no prefix-cache effect)
     warmup = [list(range(1000, 1100)), list(range(2000, 2050))]
+    from baton.bench.prompt_prefix import measure as measure_prepare
+
+    prepare = measure_prepare(model_path)
+    print(f"[overhead] chat prompt preparation per turn (ms p50): whole {prepare['whole_ms_p50']:.2f}, "
+          f"incremental {prepare['incremental_ms_p50']:.2f} over {prepare['turns']} turns up to {prepare['max_prompt_tokens']} tokens")
     bare = _in_child(_bare_phase, model_path, prompts, max_tokens, concurrency, warmup)
     print(f"[overhead] bare vLLM : {bare['summary']}")
     served = _vllm_serve_phase(model_path, prompts, max_tokens, concurrency, warmup, out_dir / "vllm-serve.log")
@@ -314,9 +322,11 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         # Serve's direct ingress (no HTTP proxy in the request's path)
         "ttft_p50_ratio_direct_ingress": direct["summary"]["ttft_p50_s"] / b["ttft_p50_s"],
         "ttft_p50_ratio_c1_direct_ingress": direct["single"]["ttft_p50_s"] / bare["single"]["ttft_p50_s"],
+        "chat_prepare_ms_ratio_incremental": prepare["ratio_p50"],
     }
     report = {"quick": quick, "requests": n, "max_tokens": max_tokens, "concurrency": concurrency, "bare": bare, "vllm_serve": served,
-              "baton": baton, "baton_direct": direct, "ratios": ratios, "c1_passes": C1_PASSES}
+              "baton": baton, "baton_direct": direct, "ratios": ratios, "c1_passes": C1_PASSES,
+              "prepare": prepare}
     (out_dir / "overhead.json").write_text(json.dumps(report, indent=2))
     _plot([("bare vLLM", PhaseSummary(**b)), ("vllm serve", PhaseSummary(**served["summary"])), ("Baton", PhaseSummary(**s)),
            ("Baton direct", PhaseSummary(**direct["summary"]))],
@@ -329,7 +339,9 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         f"ttft_p50_ratio_c1_vs_vllm_serve={ratios['ttft_p50_ratio_c1_vs_vllm_serve']:.3f} "
         f"throughput_ratio_vs_vllm_serve={ratios['throughput_ratio_vs_vllm_serve']:.3f} "
         f"ttft_p50_ratio_direct_ingress={ratios['ttft_p50_ratio_direct_ingress']:.3f} "
-        f"ttft_p50_ratio_c1_direct_ingress={ratios['ttft_p50_ratio_c1_direct_ingress']:.3f} baton_start_s={baton['start_s']:.1f} "
+        f"ttft_p50_ratio_c1_direct_ingress={ratios['ttft_p50_ratio_c1_direct_ingress']:.3f} "
+        f"chat_prepare_ms_p50={prepare['whole_ms_p50']:.2f}/{prepare['incremental_ms_p50']:.2f} "
+        f"chat_prepare_ms_ratio_incremental={ratios['chat_prepare_ms_ratio_incremental']:.3f} baton_start_s={baton['start_s']:.1f} "
         f"replica_rss_gib={baton['rss_bytes'] / (1 << 30):.2f}"
     )
     return report

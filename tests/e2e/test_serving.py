@@ -79,6 +79,14 @@ def test_openai_client_multi_turn_with_prefix_cache(baton_url: str) -> None:
     assert cache["enabled"] and cache["hits"] >= 1, json.dumps(cache)
     info = httpx.get(f"{baton_url}/v1/conversations/e2e-conv-1", timeout=30).json()
     assert info["turns"] == sent and info["decoder"] == replica_1, (info, sent)
+    # an ingress tokenizes only what a turn appended (deployments/token_prefix.py): of the two
+    # ingress replicas one served two or more of the >= 3 turns; the stats come from either
+    hits = 0
+    for _ in range(30):
+        hits = max(hits, httpx.get(f"{baton_url}/baton/stats", timeout=30).json()["ingress"]["prompt_prefix_tokens"]["hits"])
+        if hits:
+            break
+    assert hits >= 1
 
 
 def test_completions_greedy_is_deterministic(baton_url: str) -> None:

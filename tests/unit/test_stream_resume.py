@@ -281,14 +281,14 @@ def test_baton_stats_shows_the_resumes_of_the_ingress_replica_that_answers() -> 
     metrics.stream_resume("resumed")
     state = DirectoryState(DirectorySettings(policy="colocated"))
     ingress = SimpleNamespace(_directory=FakeDirectory(state=state), _metrics=metrics, _admission=InflightLimit(4), _realtime=None,
-                              _backend=PoolBackend(None))  # no pin cache
+                              _backend=PoolBackend(None), _renderer=SimpleNamespace(prefix_snapshot=lambda: None))  # no pin cache
     ingress._stats = lambda: cls._stats(ingress)
     snap = asyncio.run(cls._public_stats(ingress))
     assert snap["ingress"]["stream_resumes"] == {"resumed": 1} and snap["policy"] == "colocated"
     assert snap["ingress"]["admission"] == {"mode": "fixed", "limit": 4, "cap": 4, "inflight": 0, "pool_queueing": False,
                                             "pool_in_flight": 0, "retry_after_s": 1, "admitted": 0, "refused": 0, "samples": 0, "overdue": 0}
     assert "realtime" not in snap["ingress"]  # no /v1/realtime at this ingress
-    assert snap["ingress"]["pin_cache"] is None
+    assert snap["ingress"]["pin_cache"] is None and snap["ingress"]["prompt_prefix_tokens"] is None
     rt = {"live_sessions": 2, "cap": 2, "overload": "shed", "sessions_shed_total": 1}  # RealtimeFrontend.snapshot()
     ingress._realtime = SimpleNamespace(snapshot=lambda: rt)
     assert asyncio.run(cls._public_stats(ingress))["ingress"]["realtime"] == rt
