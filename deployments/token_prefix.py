@@ -24,20 +24,21 @@ from __future__ import annotations
 
 import re
 import threading
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 Tokenize = Callable[[str], list[int]]
 DEFAULT_CAPACITY = 4096
-DEFAULT_MAX_CHARS = 64 << 20  # 64 Mi characters of kept text (a few hundred MB at most)
+DEFAULT_MAX_CHARS = 32 << 20  # characters of kept text in all: 32-128 MiB of text, plus 4 bytes per kept token id (~1 per 4 characters)
 TOTALS = ("hits", "misses", "unmatched", "evicted")
 
 
 @dataclass(frozen=True)
 class _Kept:
     text: str  # the rendered text up to (not including) its last special token
-    ids: tuple[int, ...]  # its token ids
+    ids: array  # its token ids (int32: 4 bytes each)
 
 
 class PrefixTokens:
@@ -79,7 +80,7 @@ class PrefixTokens:
                 self.totals["unmatched"] += cut is None
                 return ids
             pos, n = cut
-            self._kept[key] = _Kept(text[:pos], tuple(ids[:n]))
+            self._kept[key] = _Kept(text[:pos], array("i", ids[:n]))
             self._chars += pos
             while len(self._kept) > self._capacity or self._chars > self._max_chars:
                 _, gone = self._kept.popitem(last=False)
