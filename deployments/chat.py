@@ -56,8 +56,13 @@ class PromptRenderer:
     def _prefix_tokens(self) -> PrefixTokens | None:
         decoder = getattr(self._tok, "added_tokens_decoder", {})
         special = {t.content: i for i, t in decoder.items() if getattr(t, "special", False) and t.content}
-        turns = [self.chat_text(self.template_messages([ChatMessage.model_validate(m) for m in _PROBE[:k]])) for k in (2, 4, 6)]
-        if not special or not probe(self.text_tokens, special, turns):
+        try:  # a template that cannot render the probe (e.g. one refusing a system message) means no cache, not a failed start
+            turns = [self.chat_text(self.template_messages([ChatMessage.model_validate(m) for m in _PROBE[:k]])) for k in (2, 4, 6)]
+            ok = bool(special) and probe(self.text_tokens, special, turns)
+        except Exception as e:  # noqa: BLE001 - any failure of the probe turns the cache off
+            logger.warning("incremental tokenization is off: its probe failed (%s)", type(e).__name__)
+            return None
+        if not ok:
             logger.warning("incremental tokenization is off: on this tokenizer and template it does not reproduce whole tokenization")
             return None
         return PrefixTokens(self.text_tokens, special)

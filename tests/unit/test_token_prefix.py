@@ -143,3 +143,32 @@ def test_the_cache_is_bounded_in_keys_and_characters() -> None:
     assert not probe(tokenize, special, ["ab", "abc"])  # no special token: nothing to cut at, no cache
     with pytest.raises(ValueError):
         PrefixTokens(tokenize, special, capacity=0)
+
+
+def test_a_template_that_cannot_render_the_probe_turns_the_cache_off_instead_of_failing_the_start(tok: Any) -> None:
+    class NoSystem:
+        """SmolLM2's tokenizer under a template that refuses system messages (as some models' do)."""
+
+        def __init__(self, inner: Any):
+            self.inner = inner
+            self.chat_template = inner.chat_template
+            self.added_tokens_decoder = inner.added_tokens_decoder
+
+        def __len__(self) -> int:
+            return len(self.inner)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def __call__(self, text: str, **kw: Any) -> Any:
+            return self.inner(text, **kw)
+
+        def apply_chat_template(self, messages: list[dict[str, Any]], **kw: Any) -> Any:
+            if any(m["role"] == "system" for m in messages):
+                raise ValueError("System role not supported")
+            return self.inner.apply_chat_template(messages, **kw)
+
+    r = PromptRenderer(NoSystem(tok), incremental=True)
+    assert not r.incremental and r.prefix_snapshot() is None
+    sent = [ChatMessage(role="user", content="hello there")]
+    assert r.chat_tokens(sent, key="k") == PromptRenderer(tok).chat_tokens(sent)
