@@ -88,7 +88,8 @@ def test_on_window_fires_at_the_window_start_and_after_its_last_turn() -> None:
     assert [e for e, _ in calls] == ["start", "end"]
     (_, started), (_, ended) = calls
     assert started - t0 == pytest.approx(spec.warmup_s, abs=0.1)  # not at the warm-up's start
-    assert ended - started >= spec.duration_s and ended <= t_end
+    # "start" is stamped inside the hook, a moment after the window began (under load, up to a few ms): the window still spans duration_s
+    assert ended - started >= spec.duration_s - 0.05 and ended <= t_end
     assert load.warmup_turns > 0  # turns ran before the hook's "start"
     assert 0 < load.window_client_cpu_s <= load.client_cpu_s - burn["start"] + 1e-3  # the window only, the hook left out
 
