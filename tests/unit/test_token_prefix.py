@@ -103,21 +103,28 @@ def test_other_tokenizer_families_tokenize_each_turn_as_whole(pre: Any) -> None:
     cache.check_integrity()
 
 
+class Wrapped:
+    """A tokenizer that behaves as `inner` but for what a subclass overrides."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.chat_template = inner.chat_template
+        self.added_tokens_decoder = inner.added_tokens_decoder
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __call__(self, text: str, **kw: Any) -> Any:
+        return self.inner(text, **kw)
+
+
 def test_a_tokenizer_that_merges_across_special_tokens_fails_the_probe_and_gets_no_cache(tok: Any) -> None:
-    class Merging:
-        """SmolLM2's tokenizer, but it drops the special token after any text ending in a space:
-        tokens(a + b) != tokens(a) + tokens(b) at such a cut."""
-
-        def __init__(self, inner: Any):
-            self.inner = inner
-            self.chat_template = inner.chat_template
-            self.added_tokens_decoder = inner.added_tokens_decoder
-
-        def __len__(self) -> int:
-            return len(self.inner)
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.inner, name)
+    class Merging(Wrapped):
+        """SmolLM2's tokenizer, but it drops every <|im_start|> but a text's first:
+        tokens(a + b) != tokens(a) + tokens(b) at a cut before one."""
 
         def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
             ids = list(self.inner(text, add_special_tokens=False)["input_ids"])
@@ -146,22 +153,8 @@ def test_the_cache_is_bounded_in_keys_and_characters() -> None:
 
 
 def test_a_template_that_cannot_render_the_probe_turns_the_cache_off_instead_of_failing_the_start(tok: Any) -> None:
-    class NoSystem:
+    class NoSystem(Wrapped):
         """SmolLM2's tokenizer under a template that refuses system messages (as some models' do)."""
-
-        def __init__(self, inner: Any):
-            self.inner = inner
-            self.chat_template = inner.chat_template
-            self.added_tokens_decoder = inner.added_tokens_decoder
-
-        def __len__(self) -> int:
-            return len(self.inner)
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.inner, name)
-
-        def __call__(self, text: str, **kw: Any) -> Any:
-            return self.inner(text, **kw)
 
         def apply_chat_template(self, messages: list[dict[str, Any]], **kw: Any) -> Any:
             if any(m["role"] == "system" for m in messages):
