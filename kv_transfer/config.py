@@ -71,21 +71,25 @@ SEGMENT_CONNECTOR = {
 }
 
 
-def kv_transfer_engine_arg(role: PoolRole, *, handoff: bool, on_gpu: bool, segments: bool = False) -> dict[str, Any] | None:
+def kv_transfer_engine_arg(role: PoolRole, *, handoff: bool, on_gpu: bool, segments: bool = False,
+                           segment_async_load: bool = True) -> dict[str, Any] | None:
     """The `kv_transfer_config` engine argument.
 
     Handoff: vLLM's NIXL connector wrapped by Baton's counting subclass (kv_transfer/nixl.py), so
     every transfer is counted by the connector itself. Segments (memory injection): Baton's
     SegmentConnector (kv_transfer/segment_connector.py). Both: vLLM's MultiConnector, NIXL first —
     a request that arrives with NIXL handoff params loads from NIXL, one that carries segments
-    loads them (the first connector that reports tokens wins)."""
+    loads them (the first connector that reports tokens wins). segment_async_load: the segment
+    connector writes injected KV on its loader thread while the engine steps other requests
+    (kv_transfer/segment_loader.py); False: on the engine thread, before the forward pass."""
     plan = kv_transfer_plan(role, handoff=handoff, on_gpu=on_gpu)
     nixl = None
     if plan.connector is not None:
         from kv_transfer.nixl import nixl_kv_transfer_config
 
         nixl = nixl_kv_transfer_config(plan.role or "kv_both", plan.buffer_device)
-    seg = {**SEGMENT_CONNECTOR, "kv_buffer_device": plan.buffer_device, "kv_load_failure_policy": "recompute"} if segments else None
+    seg = {**SEGMENT_CONNECTOR, "kv_buffer_device": plan.buffer_device, "kv_load_failure_policy": "recompute",
+           "kv_connector_extra_config": {"async_load": segment_async_load}} if segments else None
     if nixl and seg:
         return {
             "kv_connector": "MultiConnector",

@@ -13,7 +13,8 @@ worker's. This class is the thin shell vLLM loads by name (kv_transfer/config.py
 side its role needs and forwards each KVConnectorBase_V1 method to the side that owns it:
 - scheduler side (kv_transfer/segment_scheduler.py): matching, allocation, step metadata,
   capture tracking through chunked prefill and preemption;
-- worker side (kv_transfer/segment_worker.py): loads, captures, failed blocks;
+- worker side (kv_transfer/segment_worker.py): loads (asynchronous ones on the loader thread of
+  kv_transfer/segment_loader.py, reported by get_finished), captures, failed blocks;
 - shared: the step metadata and request parameters (kv_transfer/segment_meta.py).
 Invariant: exactly one side exists, the one of `role`; calling the other side's method raises.
 Each side counts its own work; `kv_transfer.segment_stats.segment_stats()` reads the totals.
@@ -118,7 +119,13 @@ class SegmentConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().start_load_kv(self._meta(), forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous in start_load_kv
+        # an asynchronous load ends before its request is scheduled (get_finished); a synchronous
+        # one ends inside start_load_kv, before the forward pass: no layer ever waits
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(nothing is sent, the requests whose asynchronous segment loads ended)."""
+        return None, self._work().get_finished() or None
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # captures read the paged cache after the step, in wait_for_save
@@ -128,3 +135,8 @@ class SegmentConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        super().shutdown()

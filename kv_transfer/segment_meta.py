@@ -17,12 +17,16 @@ PARAMS_KEY = "baton_segments"
 
 @dataclass(frozen=True)
 class SegmentLoad:
-    """Lay the segments offered under `key` into prompt positions [start, end) at `slots`."""
+    """Lay the segments offered under `key` into prompt positions [start, end) at `slots`.
+
+    request_id None: a synchronous load, done before this step's forward pass; else an
+    asynchronous one (kv_transfer/segment_loader.py), reported under that request id when done."""
 
     key: str
     start: int  # first prompt position to load
     end: int  # one past the last
     slots: tuple[int, ...]
+    request_id: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.end or len(self.slots) != self.end - self.start:

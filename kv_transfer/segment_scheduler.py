@@ -55,6 +55,15 @@ def kv_cache_blocker(kv_cache_config: KVCacheConfig | None) -> str | None:
     return None
 
 
+def async_loads_configured(vllm_config: VllmConfig) -> bool:
+    """Pure: the connector's `kv_connector_extra_config["async_load"]` (kv_transfer/config.py sets it)."""
+    extra = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None) or {}
+    value = extra.get("async_load", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"kv_connector_extra_config.async_load must be a bool, got {value!r}")
+    return value
+
+
 @dataclass
 class _PendingCapture:
     """A capture request between its admission and the step that completes its prompt."""
@@ -69,17 +78,22 @@ class SegmentScheduler:
     """Scheduler-side state: promised injections, loads to run this step, captures in flight."""
 
     def __init__(self, block_size: int, table: SegmentTable | None = None, counters: SegmentCounters | None = None,
-                 disabled: str | None = None):
+                 disabled: str | None = None, async_loads: bool = False):
         """disabled: why this engine cannot inject or capture (a RoPE the worker cannot
         re-rotate exactly, kv_transfer/rope.py): every injection is refused (computed instead) and
-        every capture fails at once with this reason, so callers fall back to recompute; the engine still serves."""
+        every capture fails at once with this reason, so callers fall back to recompute; the engine still serves.
+
+        async_loads: loads run in the worker's background thread (kv_transfer/segment_loader.py)
+        and the request waits for them in vLLM's WAITING_FOR_REMOTE_KVS while other requests
+        step; False: each load runs before the forward pass of the step that schedules it."""
         if block_size <= 0:
             raise ValueError(f"block size must be positive, got {block_size}")
         self._block_size = block_size
         self.disabled = disabled
+        self.async_loads = async_loads
         self._table = table if table is not None else process_segments()
         self.counters = counters if counters is not None else new_counters()
-        self._matched: dict[str, int] = {}  # request id → inject end promised
+        self._matched: dict[str, tuple[int, bool]] = {}  # request id → (inject end promised, loaded asynchronously)
         self._pending_loads: list[SegmentLoad] = []
         self._pending_captures: dict[str, _PendingCapture] = {}
 
@@ -95,7 +109,7 @@ class SegmentScheduler:
         disabled = None if why is None else f"KV injection and capture are off on this engine: {why}"
         if disabled is not None:
             logger.warning("%s; memories and real-time windows are computed from tokens instead", disabled)
-        return cls(vllm_config.cache_config.block_size, disabled=disabled)
+        return cls(vllm_config.cache_config.block_size, disabled=disabled, async_loads=async_loads_configured(vllm_config))
 
     @property
     def in_flight(self) -> int:
@@ -121,16 +135,20 @@ class SegmentScheduler:
             logger.warning("segment tokens differ from request %s's prompt: recomputing", request.request_id)
             self.counters.refused()
             return 0, False
-        self._matched[request.request_id] = end
-        return end - num_computed_tokens, False
+        # decided once per request: `async_loads` may be switched while the engine runs (a bench
+        # compares both), and vLLM's handling of this request follows the answer given here
+        self._matched[request.request_id] = (end, self.async_loads)
+        return end - num_computed_tokens, self.async_loads
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        end = self._matched.pop(request.request_id, 0)
+        end, in_background = self._matched.pop(request.request_id, (0, False))
         p = segment_params(request)
         if num_external_tokens > 0 and end:
             block_ids = blocks.get_block_ids()[0]
             start = end - num_external_tokens
-            self._pending_loads.append(SegmentLoad(p["key"], start, end, slots_for(block_ids, self._block_size, start, end)))
+            # vLLM treats a positive external count after load_async=True as an asynchronous load
+            rid = request.request_id if in_background else None
+            self._pending_loads.append(SegmentLoad(p["key"], start, end, slots_for(block_ids, self._block_size, start, end), rid))
         if p and p.get("capture") and self.disabled is not None:
             self._table.put_capture(p["key"], CaptureResult(error=self.disabled))
         elif p and p.get("capture"):
@@ -183,3 +201,14 @@ class SegmentScheduler:
         self._matched.pop(request.request_id, None)
         self._pending_captures.pop(request.request_id, None)
         return False, None
+
+
+def segment_scheduler_of(scheduler: Any) -> SegmentScheduler | None:
+    """The segment connector's scheduler side inside vLLM's scheduler (the connector alone or
+    inside a MultiConnector), or None when the engine runs none."""
+    connector = getattr(scheduler, "connector", None)
+    for c in [connector, *getattr(connector, "_connectors", [])]:
+        side = getattr(c, "scheduler_side", None)
+        if isinstance(side, SegmentScheduler):
+            return side
+    return None

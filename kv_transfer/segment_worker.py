@@ -3,9 +3,11 @@ out of it, as each step's SegmentConnectorMetadata says (kv_transfer/segment_con
 
 A load writes the offered KV with the attention backend's own cache write. When the submitter
 offered a PreparedInjection (kv_transfer/prepared.py: keys rotated to their prompt positions and
-cast in the pull path, by `prepare` in another thread), the engine thread only slices the load's
-range and writes it; plain segments are copied into staging, re-rotated and cast here, on the
-engine thread. A load that raises marks its blocks as failed, and with
+cast in the pull path, by `prepare` in another thread), the load only slices its range and writes
+it; plain segments are copied into staging, re-rotated and cast by the load. An asynchronous load
+(the scheduler side's `async_loads`) runs on the loader's background thread
+(kv_transfer/segment_loader.py) and is reported by `get_finished`; a synchronous one runs on the
+engine thread before the step's forward pass. A load that raises marks its blocks as failed, and with
 kv_load_failure_policy="recompute" vLLM recomputes them (the request still succeeds). A capture
 reads the KV of its ranges after the step that completes the prompt, removes RoPE, and puts the
 segments (or the error) under its key in the process SegmentTable.
@@ -28,6 +30,7 @@ import torch
 from kv_transfer.paged_kv import PagedLayout, layer_writer, learn_layout, read_tokens
 from kv_transfer.prepared import PreparedInjection, prepare
 from kv_transfer.rope import RopeSpec, Rotator, UnsupportedRope, remove_rope, rope_from_model, rope_from_vllm_config
+from kv_transfer.segment_loader import AsyncLoader
 from kv_transfer.segment_meta import SegmentCapture, SegmentConnectorMetadata, SegmentLoad
 from kv_transfer.segment_stats import SegmentCounters, new_counters
 from kv_transfer.segments import CaptureResult, Injection, KVSegment, SegmentTable, process_segments
@@ -78,7 +81,9 @@ class SegmentWorker:
         self.counters = counters if counters is not None else new_counters()
         self._rotator: Rotator | None = None  # built on first use (a load, or a prepare in another thread)
         self._rotator_lock = threading.Lock()
-        self._staging = _Staging()
+        self._staging = _Staging()  # the engine thread's (synchronous loads)
+        self._loader_staging = _Staging()  # the loader thread's
+        self._loader: AsyncLoader | None = None  # started by the first asynchronous load
         self._layers: list[Any] | None = None
         self._layout: PagedLayout | None = None
         self._failed_blocks: set[int] = set()
@@ -155,14 +160,48 @@ class SegmentWorker:
             return
         layers = self._attention_layers(forward_context)
         for load in meta.loads:
+            if load.request_id is not None:
+                self._submit(load, layers)
+                continue
             try:
-                self._load(load, layers)
+                self._load(load, layers, self._staging)
             except Exception:
                 logger.exception("segment load %s failed; its blocks will be recomputed", load.key)
                 self.counters.load_failed()
                 self._failed_blocks.update(s // self._block_size for s in load.slots)
 
-    def _load(self, load: SegmentLoad, layers: list[Any]) -> None:
+    def _submit(self, load: SegmentLoad, layers: list[Any]) -> None:
+        assert load.request_id is not None
+        if self._loader is None:
+            self._loader = AsyncLoader(after_load=_device_sync(layers))
+
+        def run() -> None:
+            try:
+                self._load(load, layers, self._loader_staging)
+            except Exception:
+                self.counters.load_failed()
+                raise
+
+        self._loader.submit(load.request_id, frozenset(s // self._block_size for s in load.slots), run)
+
+    def get_finished(self) -> set[str]:
+        """Requests whose asynchronous loads ended since the last call; the blocks of those that
+        failed join the load errors vLLM reads right after, in the same output."""
+        if self._loader is None:
+            return set()
+        drained = self._loader.drain()
+        self._failed_blocks.update(drained.failed_blocks)
+        return set(drained.finished)
+
+    @property
+    def loader(self) -> AsyncLoader | None:
+        return self._loader
+
+    def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown()
+
+    def _load(self, load: SegmentLoad, layers: list[Any], staging: _Staging) -> None:
         t0 = time.perf_counter()
         inj = self._table.injection(load.key)
         if inj is None:
@@ -177,7 +216,7 @@ class SegmentWorker:
                 keys, values = prepared.layer_range(i, load.start, load.end)
                 layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
         else:
-            self._rotate_and_write(inj, load, layers, slots)
+            self._rotate_and_write(inj, load, layers, slots, staging)
         self.counters.injected(load.end - load.start, time.perf_counter() - t0, prepared=prepared is not None)
 
     def _usable(self, prepared: PreparedInjection | None, key: str) -> PreparedInjection | None:
@@ -191,12 +230,13 @@ class SegmentWorker:
             return None
         return prepared
 
-    def _rotate_and_write(self, inj: Injection, load: SegmentLoad, layers: list[Any], slots: torch.Tensor) -> None:
-        """The engine-thread path: copy the range into staging, rotate it to its positions, cast."""
+    def _rotate_and_write(self, inj: Injection, load: SegmentLoad, layers: list[Any], slots: torch.Tensor,
+                          staging: _Staging) -> None:
+        """The unprepared path: copy the range into staging, rotate it to its positions, cast."""
         first = inj.segments[0]
         rotator = self._rotator_for_use()
         n = load.end - load.start
-        keys, keys16, values = self._staging.views(len(layers), n, first.keys.shape[2], first.keys.shape[3], self._dtype)
+        keys, keys16, values = staging.views(len(layers), n, first.keys.shape[2], first.keys.shape[3], self._dtype)
         inj.copy_range(load.start, load.end, keys, values)
         rotator.apply_(keys, torch.arange(load.start, load.end))
         keys16.copy_(keys)
@@ -231,6 +271,16 @@ class SegmentWorker:
             keys = remove_rope(torch.stack(ks), torch.arange(a, b), self._spec())
             out.append(KVSegment(cap.token_ids[a:b], keys, torch.stack(vs).clone()))
         return tuple(out)
+
+
+def _device_sync(layers: list[Any]) -> Any:
+    """What the loader runs after a load's writes: on CUDA, wait for them (the loader thread's
+    stream), so a load reported done has its KV in the cache; on CPU the writes are done already."""
+    cache = getattr(layers[0], "kv_cache", None) if layers else None
+    if isinstance(cache, torch.Tensor) and cache.is_cuda:
+        device = cache.device
+        return lambda: torch.cuda.current_stream(device).synchronize()
+    return None
 
 
 def process_segment_worker() -> SegmentWorker | None:

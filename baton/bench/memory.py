@@ -19,6 +19,9 @@ Measured, for k in {5, 10, 20, 50}:
 - fidelity at k = 10 and k = 50 (baton/bench/memory_fidelity.py): top-1 agreement with prompt
   injection and mean per-position KL(prompt || kv) over the whole vocabulary, top-1 accuracy along
   the reference answer, for the default window w and w = 0; answers' token-F1 at k = 10;
+- the load stall (baton/bench/memory_async.py): a running decode stream's inter-token gaps while
+  k = 50 KV-mode requests arrive, with their loads on the engine thread vs on the connector's
+  loader thread (interleaved trials on the one engine);
 - the service path (baton/bench/memory_service.py): question text -> first token through the
   memory-store actor's recall, the layout, the resolver (warm replica LRU, pulled from the store,
   or encoded), the prepare (rotation and cast) and the engine, at concurrency 1 and 16, for k = 5 and 50.
@@ -53,6 +56,7 @@ SERVICE_KS = (5, 50)
 SERVICE_CONCURRENCY = 16
 DEFAULT_WINDOW = 2
 HIT_BLOCK_SIZE = 32
+STALL_TRIALS = 5  # per mode, interleaved
 
 
 def _runner(model_path: str) -> Any:
@@ -216,7 +220,7 @@ async def _main(quick: bool, out_dir: Path) -> dict[str, Any]:
         report["service"] = await _service(runner, renderer, cfg, tmp / "facts.sqlite3", users, reps)
     finally:
         runner.shutdown()
-    report["result"] = run_result(report["by_k"], report["fidelity"], report["service"])
+    report["result"] = run_result(report["by_k"], report["fidelity"], report["service"], report["load_stall"])
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "memory.json").write_text(json.dumps(report, indent=2))
     _plot(report, out_dir / "memory.png")
@@ -247,8 +251,11 @@ async def _service(runner: Any, renderer: Any, cfg: Any, db_path: Path, users: l
         stop_ray_session(temp)
 
 
-def run_result(by_k: dict[str, Any], fidelity: dict[str, Any], service: dict[str, Any]) -> dict[str, float]:
+def run_result(by_k: dict[str, Any], fidelity: dict[str, Any], service: dict[str, Any],
+               load_stall: dict[str, Any] | None = None) -> dict[str, float]:
     """Pure: the RESULT line's figures, in its order, from the report's parts."""
+    from baton.bench.memory_async import stall_ratio
+
     def p50(k: int, mode: str) -> float:
         return by_k[str(k)]["ttft"][mode]["p50_s"]
 
@@ -274,12 +281,16 @@ def run_result(by_k: dict[str, Any], fidelity: dict[str, Any], service: dict[str
         "top1_agreement_k50_w0": fid(50, "kv_w0", "top1_agreement_with_prompt"),
         "kl_k50_w0": fid(50, "kv_w0", "kl_to_prompt_mean"),
         "fidelity_ratio_w0": fid(FIDELITY_K, "kv_w0", "top1_accuracy") / base,
-    }
+    } | ({} if load_stall is None else {
+        "load_stall_gap_p95_ratio_async_over_sync": stall_ratio(load_stall),
+        "load_stall_case_ttft_ratio_async_over_sync": (load_stall["async"]["case_ttft"]["p50_ms"]
+                                                       / load_stall["sync"]["case_ttft"]["p50_ms"]),
+    })
 
 
 async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, list[Any]]], quick: bool,
                    convs: list[str], n_q: int, reps: int, concurrency: int) -> dict[str, Any]:
-    from baton.bench import memory_fidelity
+    from baton.bench import memory_async, memory_fidelity
     from kv_transfer.segment_stats import segment_stats
     from memory_store.resolver import SegmentResolver
 
@@ -316,6 +327,14 @@ async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, 
         t = by_k[k]["throughput"]
         print(f"[memory] k={k}: throughput at concurrency {concurrency}: prompt {t['prompt']['requests_per_s']:.2f} req/s, "
               f"kv {t['kv']['requests_per_s']:.2f} req/s", flush=True)
+    stall = await memory_async.measure(runner, cases_k[KS[-1]], cases_k[KS[-1]][0].prompt.token_ids[:memory_async.STREAM_PROMPT_TOKENS],
+                                       _request, trials=STALL_TRIALS)
+    for mode in memory_async.MODES:
+        g, b, t = stall[mode]["stream_gap_during"], stall[mode]["stream_gap_before"], stall[mode]["case_ttft"]
+        print(f"[memory] load stall k={KS[-1]} {mode:>5}: decode gap during loads p50 {g['p50_ms']:.0f} / p95 {g['p95_ms']:.0f} / "
+              f"max {g['max_ms']:.0f} ms (before: p50 {b['p50_ms']:.0f} ms); case TTFT p50 {t['p50_ms']:.0f} ms, "
+              f"p95 {t['p95_ms']:.0f} ms; gap p95 per trial {', '.join(f'{x:.0f}' for x in stall[mode]['stream_gap_p95_ms_per_trial'])}",
+              flush=True)
     fidelity: dict[str, Any] = {}
     for k in FIDELITY_KS:
         w0: list[_Case] = []
@@ -332,7 +351,7 @@ async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, 
                   f"{f.top1_accuracy:.3f} ({f.positions} positions)", flush=True)
     return {"quick": quick, "conversations": convs, "questions_per_conversation": n_q, "reps": reps,
             "window": DEFAULT_WINDOW, "by_k": {str(k): v for k, v in by_k.items()}, "fidelity_k": FIDELITY_K,
-            "fidelity": fidelity}
+            "fidelity": fidelity, "load_stall": stall}
 
 
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:

@@ -97,7 +97,8 @@ def build_engine_spec(
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if cfg.checkpoints is not None:  # sparse recurrent checkpoints: Baton's scheduler decides every kept state
         kwargs.update(checkpoint_engine_args(cfg.checkpoints))
-    kv_transfer = kv_transfer_engine_arg(role, handoff=handoff, on_gpu=on_gpu, segments=segments)
+    kv_transfer = kv_transfer_engine_arg(role, handoff=handoff, on_gpu=on_gpu, segments=segments,
+                                         segment_async_load=cfg.segment_async_load)
     if kv_transfer is not None:
         kwargs["kv_transfer_config"] = kv_transfer
     clash = set(kwargs) & set(cfg.extra_engine_args)

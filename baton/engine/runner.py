@@ -55,6 +55,10 @@ _IDLE_WAIT_S = 0.05  # between steps of an engine that holds KV for a reader but
 # this only paces the stats it publishes while idle (which do not change); at 20 wake-ups a second
 # a few dozen idle replicas on one host kept a core busy doing nothing
 _IDLE_BLOCK_S = 0.5
+# an engine whose every request waits (for KV loading in the background: a segment load, a NIXL
+# read) and none runs: a step would schedule nothing, so wait this long for a command first instead
+# of spinning on empty steps, which would take the core (and the GIL) from the loading threads
+_BLOCKED_WAIT_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,12 @@ class EngineRunner:
     @property
     def stats(self) -> EngineStats:
         return self._streams.stats
+
+    @property
+    def scheduler(self) -> Any:
+        """The in-process engine's vLLM scheduler once started (None before, or when not found);
+        read it from the engine thread's side only for settings, never to drive it."""
+        return self._scheduler
 
     @property
     def checkpoint_metrics(self) -> Any:
@@ -227,7 +237,10 @@ class EngineRunner:
             # a prefill engine holding KV for a decoder has no unfinished request but must
             # keep stepping to see the reader's notification and free the blocks
             holding = self._scheduler is not None and self._scheduler.has_requests()
-            wait = None if busy else (_IDLE_WAIT_S if holding else _IDLE_BLOCK_S)
+            if busy:
+                wait = _BLOCKED_WAIT_S if none_running(self._scheduler) else None
+            else:
+                wait = _IDLE_WAIT_S if holding else _IDLE_BLOCK_S
             if not self._drain_commands(engine, wait):
                 return
             holding = self._scheduler is not None and self._scheduler.has_requests()
@@ -308,6 +321,13 @@ class EngineRunner:
             self._checkpoints_at = now
             self._checkpoint_metrics = sched.checkpoint_metrics()
         self._streams.publish(scheduler_stats(sched, self._kv_capacity_tokens, len(self._streams), steps))
+
+
+def none_running(scheduler: Any) -> bool:
+    """Whether vLLM's scheduler runs no request (asked of an engine with unfinished requests: they
+    all wait, on KV being loaded); False when it cannot tell (no scheduler found)."""
+    running = getattr(scheduler, "running", None)
+    return isinstance(running, list) and not running
 
 
 def _segment_params(segments: SegmentTable, key: str, injection: tuple[KVSegment, ...] | PreparedInjection | None,

@@ -175,3 +175,64 @@ def test_mismatched_segments_fall_back_to_recompute(runner: Any, renderer: Any) 
     assert out == plain and cached == 0
     assert segment_stats().unavailable == before + 1
     assert len(process_segments()) == 0  # nothing left behind in the hand-over table
+
+
+def test_async_and_engine_thread_loads_give_the_same_output_next_to_a_running_stream(runner: Any, renderer: Any) -> None:
+    """The default load runs on the connector's loader thread (the request waits in vLLM's
+    WAITING_FOR_REMOTE_KVS while the engine steps others): the same greedy tokens and logprobs as a
+    load on the engine thread, while a long decode stream keeps producing tokens on the engine."""
+    from kv_transfer.segment_scheduler import segment_scheduler_of
+    from kv_transfer.segment_worker import process_segment_worker
+
+    side, worker = segment_scheduler_of(runner.scheduler), process_segment_worker()
+    assert side is not None and worker is not None and side.async_loads  # the product's default
+    p = _prompt(renderer, "What is Caroline's favourite food?", _whole_context_facts(), window=8)
+    segs = _encode(runner, p)
+    stream_req = GenerationRequest(request_id=uuid.uuid4().hex, prompt_token_ids=p.token_ids[:64],
+                                   sampling=SamplingSpec(max_tokens=4000, temperature=0.0, ignore_eos=True),
+                                   cache_salt=uuid.uuid4().hex)
+
+    async def injected_beside_a_stream() -> tuple[tuple[int, ...], list[float], int, int]:
+        streamed = 0
+        started, stop = asyncio.Event(), asyncio.Event()
+
+        async def stream() -> None:
+            nonlocal streamed
+            async for d in runner.generate(stream_req):
+                streamed += len(d.token_ids)
+                if streamed >= 4:
+                    started.set()
+                if stop.is_set():
+                    return
+
+        task = asyncio.create_task(stream())
+        await started.wait()
+        at_submit = streamed
+        req = GenerationRequest(request_id=uuid.uuid4().hex, prompt_token_ids=p.token_ids,
+                                sampling=SamplingSpec(max_tokens=12, temperature=0.0, logprobs=True),
+                                cache_salt=uuid.uuid4().hex)
+        toks: list[int] = []
+        lps: list[float] = []
+        async for d in runner.generate(req, injection=segs):
+            toks.extend(d.token_ids)
+            lps.extend(d.logprobs)
+        stop.set()
+        await task
+        return tuple(toks), lps, at_submit, streamed
+
+    before = worker.loader.submitted if worker.loader is not None else 0
+    in_background, bg_lp, at_submit, streamed = asyncio.run(injected_beside_a_stream())
+    assert worker.loader is not None and worker.loader.submitted == before + 1
+    assert streamed > at_submit  # the stream stepped while the injected request ran
+    worker.loader.check_integrity()
+    assert worker.loader.in_flight == 0
+    side.async_loads = False
+    try:
+        on_engine_thread, _ = _run(runner, p.token_ids, injection=segs)
+        thread_lp = list(LAST_LOGPROBS)
+    finally:
+        side.async_loads = True
+    assert worker.loader.submitted == before + 1  # that one loaded on the engine thread
+    assert in_background == on_engine_thread
+    assert max(abs(a - b) for a, b in zip(bg_lp, thread_lp, strict=True)) < 1e-4
+    assert len(process_segments()) == 0

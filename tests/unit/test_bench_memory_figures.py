@@ -2,11 +2,13 @@
 the service path's summaries, and the RESULT line built from a report."""
 from __future__ import annotations
 
+import asyncio
 import math
+from types import SimpleNamespace
 
 import pytest
 
-from baton.bench import memory, memory_fidelity, memory_service
+from baton.bench import memory, memory_async, memory_fidelity, memory_service
 from baton.bench.memory_fidelity import kl_divergence, score_modes
 
 
@@ -108,3 +110,61 @@ def test_a_pull_tier_that_read_nothing_over_nixl_fails_the_bench():
     memory_service._check_pulled([ok, ok])
     with pytest.raises(RuntimeError, match="1 of 2 pull-tier requests"):
         memory_service._check_pulled([ok, memory_service.Timed(0.1, 0.01, 0.001, 0.02, 0.004, 0.05, 100)])
+
+
+def _stall(sync_p95: float, async_p95: float) -> dict:
+    def mode(p95: float, ttft: float) -> dict:
+        return {"stream_gap_during": {"p95_ms": p95}, "case_ttft": {"p50_ms": ttft}}
+
+    return {"sync": mode(sync_p95, 100.0), "async": mode(async_p95, 110.0)}
+
+
+def test_result_line_carries_the_load_stall_ratios():
+    r = memory.run_result(*_report(), _stall(40.0, 20.0))
+    assert r["load_stall_gap_p95_ratio_async_over_sync"] == pytest.approx(0.5)
+    assert r["load_stall_case_ttft_ratio_async_over_sync"] == pytest.approx(1.1)
+    assert list(r)[-2:] == ["load_stall_gap_p95_ratio_async_over_sync", "load_stall_case_ttft_ratio_async_over_sync"]
+    # a background load that stalls the stream more than the engine-thread one shows as > 1
+    assert memory.run_result(*_report(), _stall(20.0, 30.0))["load_stall_gap_p95_ratio_async_over_sync"] == pytest.approx(1.5)
+
+
+class _StallRunner:
+    """A runner whose stream yields a token every `tick` s, slower (`slow`) while a case runs in sync mode."""
+
+    def __init__(self, tick: float, slow: float):
+        from test_segment_connector import vllm_config
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from kv_transfer.segment_connector import SegmentConnector
+
+        self.connector = SegmentConnector(vllm_config(), KVConnectorRole.SCHEDULER)
+        self.scheduler = SimpleNamespace(connector=self.connector)
+        self.tick, self.slow, self.busy = tick, slow, False
+        self.modes_seen: list[bool] = []
+
+    async def generate(self, req, injection=None):
+        for _ in range(req.sampling.max_tokens):
+            stalled = self.busy and not self.connector.scheduler_side.async_loads
+            await asyncio.sleep(self.slow if stalled else self.tick)
+            yield SimpleNamespace(token_ids=(1,), finished=False)
+
+
+async def _case_request(runner, ids, kv, max_tokens):
+    runner.busy = True
+    runner.modes_seen.append(runner.connector.scheduler_side.async_loads)
+    await asyncio.sleep(0.02)
+    runner.busy = False
+    return 0.02, [1], 0
+
+
+def test_the_stall_phase_times_the_running_stream_in_both_modes():
+    runner = _StallRunner(tick=0.002, slow=0.01)
+    cases = [SimpleNamespace(prompt=SimpleNamespace(token_ids=(1, 2, 3)), prepared_kv=None) for _ in range(3)]
+    report = asyncio.run(memory_async.measure(runner, cases, [1, 2, 3], _case_request, trials=2))
+    assert runner.modes_seen == [False] * 3 + [True] * 3 + [False] * 3 + [True] * 3  # interleaved trials
+    assert runner.connector.scheduler_side.async_loads  # left at the product's default
+    assert report["sync"]["stream_gap_during"]["p95_ms"] >= 8 and report["async"]["stream_gap_during"]["p95_ms"] < 8
+    assert report["sync"]["stream_gap_before"]["n"] >= memory_async.WARM_TOKENS - 1
+    assert memory_async.stall_ratio(report) < 1
+    with pytest.raises(RuntimeError, match="no segment connector"):
+        asyncio.run(memory_async.measure(SimpleNamespace(scheduler=None), cases, [1], _case_request, trials=1))
