@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_transfer.buffer_pool import BufferPool
 from kv_transfer.rope import RopeSpec, Rotator
 from kv_transfer.segments import KVSegment
 
@@ -82,18 +83,26 @@ class PreparedInjection:
         return self.keys[layer, start:end], self.values[layer, start:end]
 
 
-def prepare(segments: Sequence[KVSegment], rotator: Rotator, dtype: torch.dtype) -> PreparedInjection:
+def prepare(segments: Sequence[KVSegment], rotator: Rotator, dtype: torch.dtype,
+            pool: BufferPool | None = None) -> PreparedInjection:
     """Rotate `segments`' keys to positions 0..end-1 and cast keys and values to `dtype`.
 
     Keys one layer at a time, through a fp32 scratch of one layer (the rotation needs contiguous
-    fp32), so the transient memory is a layer's keys, not the whole injection's."""
+    fp32), so the transient memory is a layer's keys, not the whole injection's. pool: the
+    keys and values are views of its buffers, given back when the injection is collected
+    (kv_transfer/buffer_pool.py); None: fresh tensors."""
     segs = tuple(segments)
     if not segs:
         raise ValueError("nothing to prepare: no segments")
     layers, _, heads, dim = segs[0].keys.shape
     end = sum(s.num_tokens for s in segs)
-    keys = torch.empty((layers, end, heads, dim), dtype=dtype)
-    values = torch.empty((layers, end, heads, dim), dtype=dtype)
+    shape = (layers, end, heads, dim)
+    numel = layers * end * heads * dim
+    bufs = (pool.take(numel, dtype), pool.take(numel, dtype)) if pool is not None else None
+    if bufs is not None:
+        keys, values = bufs[0][:numel].view(shape), bufs[1][:numel].view(shape)
+    else:
+        keys, values = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
     torch.cat([s.values for s in segs], dim=1, out=values)  # casts to dtype as it copies
     scratch = None if dtype == torch.float else torch.empty((1, end, heads, dim))
     positions = torch.arange(end)
@@ -103,4 +112,7 @@ def prepare(segments: Sequence[KVSegment], rotator: Rotator, dtype: torch.dtype)
         rotator.apply_(out, positions)
         if scratch is not None:
             keys[layer].copy_(scratch[0])
-    return PreparedInjection(segs, keys, values, rotator.spec)
+    out = PreparedInjection(segs, keys, values, rotator.spec)
+    if pool is not None and bufs is not None:
+        pool.give_when_dead(out, *bufs)
+    return out

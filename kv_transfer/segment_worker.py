@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kv_transfer.buffer_pool import BufferPool
 from kv_transfer.paged_kv import PagedLayout, layer_writer, learn_layout, read_tokens
 from kv_transfer.prepared import PreparedInjection, prepare
 from kv_transfer.rope import RopeSpec, Rotator, UnsupportedRope, remove_rope, rope_from_model, rope_from_vllm_config
@@ -83,6 +84,7 @@ class SegmentWorker:
         self._rotator_lock = threading.Lock()
         self._staging = _Staging()  # the engine thread's (synchronous loads)
         self._loader_staging = _Staging()  # the loader thread's
+        self._buffers = BufferPool()  # prepared injections' tensors, reused across requests
         self._loader: AsyncLoader | None = None  # started by the first asynchronous load
         self._layers: list[Any] | None = None
         self._layout: PagedLayout | None = None
@@ -141,7 +143,7 @@ class SegmentWorker:
         """The segments' KV rotated to positions 0..end-1 and cast to the engine's dtype, for a
         request not yet submitted. Safe in any thread, concurrently with loads: it allocates its
         own tensors (never the staging buffers the engine thread loads through)."""
-        return prepare(segments, self._rotator_for_use(), self._dtype)
+        return prepare(segments, self._rotator_for_use(), self._dtype, self._buffers)
 
     def _attention_layers(self, forward_context: ForwardContext) -> list[Any]:
         if self._layers is None:
