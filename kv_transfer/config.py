@@ -72,16 +72,17 @@ SEGMENT_CONNECTOR = {
 
 
 def kv_transfer_engine_arg(role: PoolRole, *, handoff: bool, on_gpu: bool, segments: bool = False,
-                           segment_async_load: bool = True) -> dict[str, Any] | None:
+                           segment_async_min_tokens: int | None = None) -> dict[str, Any] | None:
     """The `kv_transfer_config` engine argument.
 
     Handoff: vLLM's NIXL connector wrapped by Baton's counting subclass (kv_transfer/nixl.py), so
     every transfer is counted by the connector itself. Segments (memory injection): Baton's
     SegmentConnector (kv_transfer/segment_connector.py). Both: vLLM's MultiConnector, NIXL first —
     a request that arrives with NIXL handoff params loads from NIXL, one that carries segments
-    loads them (the first connector that reports tokens wins). segment_async_load: the segment
-    connector writes injected KV on its loader thread while the engine steps other requests
-    (kv_transfer/segment_loader.py); False: on the engine thread, before the forward pass."""
+    loads them (the first connector that reports tokens wins). segment_async_min_tokens: the segment
+    connector writes an injection of at least this many tokens on its loader thread while the
+    engine steps other requests (kv_transfer/segment_loader.py), shorter ones on the engine thread
+    before the forward pass; None: all of them there."""
     plan = kv_transfer_plan(role, handoff=handoff, on_gpu=on_gpu)
     nixl = None
     if plan.connector is not None:
@@ -89,7 +90,7 @@ def kv_transfer_engine_arg(role: PoolRole, *, handoff: bool, on_gpu: bool, segme
 
         nixl = nixl_kv_transfer_config(plan.role or "kv_both", plan.buffer_device)
     seg = {**SEGMENT_CONNECTOR, "kv_buffer_device": plan.buffer_device, "kv_load_failure_policy": "recompute",
-           "kv_connector_extra_config": {"async_load": segment_async_load}} if segments else None
+           "kv_connector_extra_config": {"async_load_min_tokens": segment_async_min_tokens}} if segments else None
     if nixl and seg:
         return {
             "kv_connector": "MultiConnector",

@@ -55,12 +55,13 @@ def kv_cache_blocker(kv_cache_config: KVCacheConfig | None) -> str | None:
     return None
 
 
-def async_loads_configured(vllm_config: VllmConfig) -> bool:
-    """Pure: the connector's `kv_connector_extra_config["async_load"]` (kv_transfer/config.py sets it)."""
+def async_min_tokens_configured(vllm_config: VllmConfig) -> int | None:
+    """Pure: the connector's `kv_connector_extra_config["async_load_min_tokens"]` (kv_transfer/config.py
+    sets it): loads of at least this many tokens run in the background; None (or absent): none do."""
     extra = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None) or {}
-    value = extra.get("async_load", False)
-    if not isinstance(value, bool):
-        raise ValueError(f"kv_connector_extra_config.async_load must be a bool, got {value!r}")
+    value = extra.get("async_load_min_tokens")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"kv_connector_extra_config.async_load_min_tokens must be a count >= 0 or null, got {value!r}")
     return value
 
 
@@ -78,19 +79,21 @@ class SegmentScheduler:
     """Scheduler-side state: promised injections, loads to run this step, captures in flight."""
 
     def __init__(self, block_size: int, table: SegmentTable | None = None, counters: SegmentCounters | None = None,
-                 disabled: str | None = None, async_loads: bool = False):
+                 disabled: str | None = None, async_min_tokens: int | None = None):
         """disabled: why this engine cannot inject or capture (a RoPE the worker cannot
         re-rotate exactly, kv_transfer/rope.py): every injection is refused (computed instead) and
         every capture fails at once with this reason, so callers fall back to recompute; the engine still serves.
 
-        async_loads: loads run in the worker's background thread (kv_transfer/segment_loader.py)
-        and the request waits for them in vLLM's WAITING_FOR_REMOTE_KVS while other requests
-        step; False: each load runs before the forward pass of the step that schedules it."""
+        async_min_tokens: a load of at least this many tokens runs in the worker's background
+        thread (kv_transfer/segment_loader.py) and its request waits in vLLM's
+        WAITING_FOR_REMOTE_KVS while other requests step; a shorter one runs before the forward
+        pass of the step that schedules it (writing it there costs less than the step its request
+        would wait for). None: every load runs there."""
         if block_size <= 0:
             raise ValueError(f"block size must be positive, got {block_size}")
         self._block_size = block_size
         self.disabled = disabled
-        self.async_loads = async_loads
+        self.async_min_tokens = async_min_tokens
         self._table = table if table is not None else process_segments()
         self.counters = counters if counters is not None else new_counters()
         self._matched: dict[str, tuple[int, bool]] = {}  # request id → (inject end promised, loaded asynchronously)
@@ -109,7 +112,8 @@ class SegmentScheduler:
         disabled = None if why is None else f"KV injection and capture are off on this engine: {why}"
         if disabled is not None:
             logger.warning("%s; memories and real-time windows are computed from tokens instead", disabled)
-        return cls(vllm_config.cache_config.block_size, disabled=disabled, async_loads=async_loads_configured(vllm_config))
+        return cls(vllm_config.cache_config.block_size, disabled=disabled,
+                   async_min_tokens=async_min_tokens_configured(vllm_config))
 
     @property
     def in_flight(self) -> int:
@@ -135,10 +139,12 @@ class SegmentScheduler:
             logger.warning("segment tokens differ from request %s's prompt: recomputing", request.request_id)
             self.counters.refused()
             return 0, False
-        # decided once per request: `async_loads` may be switched while the engine runs (a bench
-        # compares both), and vLLM's handling of this request follows the answer given here
-        self._matched[request.request_id] = (end, self.async_loads)
-        return end - num_computed_tokens, self.async_loads
+        n = end - num_computed_tokens
+        # decided once per request: `async_min_tokens` may be changed while the engine runs (a
+        # bench compares both ways), and vLLM's handling of this request follows the answer given here
+        in_background = self.async_min_tokens is not None and n >= self.async_min_tokens
+        self._matched[request.request_id] = (end, in_background)
+        return n, in_background
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         end, in_background = self._matched.pop(request.request_id, (0, False))

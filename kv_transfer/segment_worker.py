@@ -5,7 +5,7 @@ A load writes the offered KV with the attention backend's own cache write. When 
 offered a PreparedInjection (kv_transfer/prepared.py: keys rotated to their prompt positions and
 cast in the pull path, by `prepare` in another thread), the load only slices its range and writes
 it; plain segments are copied into staging, re-rotated and cast by the load. An asynchronous load
-(the scheduler side's `async_loads`) runs on the loader's background thread
+(the scheduler side's `async_min_tokens`) runs on the loader's background thread
 (kv_transfer/segment_loader.py) and is reported by `get_finished`; a synchronous one runs on the
 engine thread before the step's forward pass. A load that raises marks its blocks as failed, and with
 kv_load_failure_policy="recompute" vLLM recomputes them (the request still succeeds). A capture

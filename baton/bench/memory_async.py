@@ -9,8 +9,9 @@ the load on the engine thread, the step that admits a case also writes its KV be
 with the load in the background, that step only computes while the write runs on the other
 thread. Figures per mode: the stream's gap p50 / p95 / max during the cases (and before them, the
 baseline), the cases' TTFT p50 / p95. Trials interleave the modes (sync, async, sync, ...) so drift
-on a shared machine hits both alike; the mode is the segment scheduler's `async_loads`, switched
-between trials on the one engine (each request keeps the mode it was matched under).
+on a shared machine hits both alike; the mode is the segment scheduler's `async_min_tokens` (None:
+sync, 0: async), switched between trials on the one engine (each request keeps the mode it was
+matched under) and put back afterwards.
 """
 from __future__ import annotations
 
@@ -27,13 +28,13 @@ STREAM_PROMPT_TOKENS = 256
 WARM_TOKENS = 6  # stream tokens before the first case (the baseline gaps)
 
 
-def _set_mode(runner: Any, mode: str) -> None:
+def _side(runner: Any) -> Any:
     from kv_transfer.segment_scheduler import segment_scheduler_of
 
     side = segment_scheduler_of(runner.scheduler)
     if side is None:
         raise RuntimeError("the bench engine runs no segment connector: nothing to compare")
-    side.async_loads = mode == "async"
+    return side
 
 
 async def _trial(runner: Any, cases: Sequence[Any], stream_ids: Sequence[int], request: Any) -> dict[str, Any]:
@@ -89,16 +90,18 @@ async def measure(runner: Any, cases: Sequence[Any], stream_ids: Sequence[int], 
         raise ValueError("the stall phase needs a stream prompt and at least one case")
     pooled: dict[str, dict[str, list[float]]] = {m: {"during": [], "before": [], "ttft": []} for m in MODES}
     per_trial: dict[str, list[float]] = {m: [] for m in MODES}
+    side = _side(runner)
+    configured = side.async_min_tokens
     try:
         for _ in range(trials):
             for mode in MODES:
-                _set_mode(runner, mode)
+                side.async_min_tokens = 0 if mode == "async" else None
                 r = await _trial(runner, cases, stream_ids, request)
                 for key in pooled[mode]:
                     pooled[mode][key].extend(r[key])
                 per_trial[mode].append(1000 * quantile(r["during"], 0.95) if r["during"] else float("nan"))
     finally:
-        _set_mode(runner, "async")  # the product's default
+        side.async_min_tokens = configured
     out: dict[str, Any] = {"trials": trials, "cases": len(cases), "stream_prompt_tokens": len(stream_ids)}
     for mode in MODES:
         p = pooled[mode]

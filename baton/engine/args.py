@@ -98,7 +98,7 @@ def build_engine_spec(
     if cfg.checkpoints is not None:  # sparse recurrent checkpoints: Baton's scheduler decides every kept state
         kwargs.update(checkpoint_engine_args(cfg.checkpoints))
     kv_transfer = kv_transfer_engine_arg(role, handoff=handoff, on_gpu=on_gpu, segments=segments,
-                                         segment_async_load=cfg.segment_async_load)
+                                         segment_async_min_tokens=cfg.segment_async_load_min_tokens)
     if kv_transfer is not None:
         kwargs["kv_transfer_config"] = kv_transfer
     clash = set(kwargs) & set(cfg.extra_engine_args)

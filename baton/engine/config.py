@@ -21,7 +21,7 @@ from baton.engine.simulated.config import SimulatedEngineConfig
 
 EngineKind = Literal["vllm", "simulated"]
 VLLM_ONLY_FIELDS = ("dtype", "enforce_eager", "kv_cache_gib", "gpu_memory_utilization", "cpu_threads", "cpu_threads_bind",
-                    "segment_async_load", "extra_engine_args", "checkpoints")
+                    "segment_async_load_min_tokens", "extra_engine_args", "checkpoints")
 
 
 class EngineConfig(BaseModel):
@@ -46,8 +46,10 @@ class EngineConfig(BaseModel):
     seed: int = 0
     cpu_threads: int = Field(1, ge=1, description="torch/OMP threads of an in-process CPU engine")
     cpu_threads_bind: str = Field("nobind", description="VLLM_CPU_OMP_THREADS_BIND: 'nobind', 'auto' or core ids")
-    segment_async_load: bool = Field(True, description="injected memory/window KV is written on a loader thread while the "
-                                     "engine steps other requests; false: on the engine thread, before the forward pass")
+    segment_async_load_min_tokens: int | None = Field(
+        1024, ge=0, description="an injected memory/window KV of at least this many tokens is written on a loader thread "
+        "while the engine steps other requests (shorter ones on the engine thread, where writing costs less than the "
+        "step the request would wait); null: all on the engine thread; 0: all on the loader thread")
     extra_engine_args: dict[str, Any] = Field(default_factory=dict, description="passed to EngineArgs unchanged")
     checkpoints: CheckpointConfig | None = Field(
         None, description="hybrid models only: recurrent-state checkpoints at planned positions (baton/engine/checkpoints/)"

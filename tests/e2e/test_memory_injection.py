@@ -178,14 +178,16 @@ def test_mismatched_segments_fall_back_to_recompute(runner: Any, renderer: Any) 
 
 
 def test_async_and_engine_thread_loads_give_the_same_output_next_to_a_running_stream(runner: Any, renderer: Any) -> None:
-    """The default load runs on the connector's loader thread (the request waits in vLLM's
-    WAITING_FOR_REMOTE_KVS while the engine steps others): the same greedy tokens and logprobs as a
-    load on the engine thread, while a long decode stream keeps producing tokens on the engine."""
+    """A load on the connector's loader thread (the request waits in vLLM's WAITING_FOR_REMOTE_KVS
+    while the engine steps others; by default loads of 1024 tokens or more, here every load): the
+    same greedy tokens and logprobs as a load on the engine thread, while a long decode stream keeps
+    producing tokens on the engine."""
     from kv_transfer.segment_scheduler import segment_scheduler_of
     from kv_transfer.segment_worker import process_segment_worker
 
     side, worker = segment_scheduler_of(runner.scheduler), process_segment_worker()
-    assert side is not None and worker is not None and side.async_loads  # the product's default
+    assert side is not None and worker is not None and side.async_min_tokens == 1024  # the product's default
+    side.async_min_tokens = 0  # this prompt's ~100 injected tokens load in the background too
     p = _prompt(renderer, "What is Caroline's favourite food?", _whole_context_facts(), window=8)
     segs = _encode(runner, p)
     stream_req = GenerationRequest(request_id=uuid.uuid4().hex, prompt_token_ids=p.token_ids[:64],
@@ -221,17 +223,16 @@ def test_async_and_engine_thread_loads_give_the_same_output_next_to_a_running_st
         return tuple(toks), lps, at_submit, streamed
 
     before = worker.loader.submitted if worker.loader is not None else 0
-    in_background, bg_lp, at_submit, streamed = asyncio.run(injected_beside_a_stream())
+    try:
+        in_background, bg_lp, at_submit, streamed = asyncio.run(injected_beside_a_stream())
+    finally:
+        side.async_min_tokens = 1024
     assert worker.loader is not None and worker.loader.submitted == before + 1
     assert streamed > at_submit  # the stream stepped while the injected request ran
     worker.loader.check_integrity()
     assert worker.loader.in_flight == 0
-    side.async_loads = False
-    try:
-        on_engine_thread, _ = _run(runner, p.token_ids, injection=segs)
-        thread_lp = list(LAST_LOGPROBS)
-    finally:
-        side.async_loads = True
+    on_engine_thread, _ = _run(runner, p.token_ids, injection=segs)  # under 1024 tokens: on the engine thread
+    thread_lp = list(LAST_LOGPROBS)
     assert worker.loader.submitted == before + 1  # that one loaded on the engine thread
     assert in_background == on_engine_thread
     assert max(abs(a - b) for a, b in zip(bg_lp, thread_lp, strict=True)) < 1e-4

@@ -144,14 +144,14 @@ class _StallRunner:
 
     async def generate(self, req, injection=None):
         for _ in range(req.sampling.max_tokens):
-            stalled = self.busy and not self.connector.scheduler_side.async_loads
+            stalled = self.busy and self.connector.scheduler_side.async_min_tokens is None
             await asyncio.sleep(self.slow if stalled else self.tick)
             yield SimpleNamespace(token_ids=(1,), finished=False)
 
 
 async def _case_request(runner, ids, kv, max_tokens):
     runner.busy = True
-    runner.modes_seen.append(runner.connector.scheduler_side.async_loads)
+    runner.modes_seen.append(runner.connector.scheduler_side.async_min_tokens == 0)
     await asyncio.sleep(0.02)
     runner.busy = False
     return 0.02, [1], 0
@@ -162,7 +162,7 @@ def test_the_stall_phase_times_the_running_stream_in_both_modes():
     cases = [SimpleNamespace(prompt=SimpleNamespace(token_ids=(1, 2, 3)), prepared_kv=None) for _ in range(3)]
     report = asyncio.run(memory_async.measure(runner, cases, [1, 2, 3], _case_request, trials=2))
     assert runner.modes_seen == [False] * 3 + [True] * 3 + [False] * 3 + [True] * 3  # interleaved trials
-    assert runner.connector.scheduler_side.async_loads  # left at the product's default
+    assert runner.connector.scheduler_side.async_min_tokens is None  # put back as configured
     assert report["sync"]["stream_gap_during"]["p95_ms"] >= 8 and report["async"]["stream_gap_during"]["p95_ms"] < 8
     assert report["sync"]["stream_gap_before"]["n"] >= memory_async.WARM_TOKENS - 1
     assert memory_async.stall_ratio(report) < 1

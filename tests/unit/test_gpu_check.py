@@ -18,6 +18,6 @@ def test_the_engine_is_gpu_examples_decode_engine_with_a_small_model() -> None:
     assert cuda.model == "/models/small" and cuda.max_model_len == 4096
     assert (cuda.dtype, cuda.enforce_eager, cuda.enable_prefix_caching) == (decode["dtype"], decode["enforce_eager"],
                                                                           decode["enable_prefix_caching"])
-    assert cuda.segment_async_load  # the product's default load path
+    assert cuda.segment_async_load_min_tokens == 1024  # the product's default load path
     cpu = gpu_check.engine_config("/models/small", "cpu")
     assert cpu.enforce_eager and cpu.block_size == 32 and cpu.dtype == decode["dtype"]

@@ -24,14 +24,14 @@ from kv_transfer.config import kv_transfer_engine_arg
 from kv_transfer.rope import apply_rope
 from kv_transfer.segment_connector import SegmentConnector
 from kv_transfer.segment_loader import AsyncLoader
-from kv_transfer.segment_scheduler import SegmentScheduler, async_loads_configured
+from kv_transfer.segment_scheduler import SegmentScheduler, async_min_tokens_configured
 from kv_transfer.segment_stats import SegmentStats, segment_stats
 from kv_transfer.segments import process_segments
 
 
-def async_config() -> Any:
+def async_config(min_tokens: int | None = 0) -> Any:
     cfg = vllm_config()
-    cfg.kv_transfer_config = SimpleNamespace(kv_role="kv_both", kv_connector_extra_config={"async_load": True})
+    cfg.kv_transfer_config = SimpleNamespace(kv_role="kv_both", kv_connector_extra_config={"async_load_min_tokens": min_tokens})
     return cfg
 
 
@@ -157,21 +157,40 @@ def test_after_load_runs_before_the_load_counts_as_done() -> None:
     loader.shutdown()
 
 
-def test_async_loads_are_on_by_default_and_off_by_config() -> None:
+def test_only_loads_of_the_configured_size_run_in_the_background() -> None:
+    sched = SegmentScheduler.from_config(async_config(min_tokens=4))
+    assert sched.async_min_tokens == 4
+    process_segments().offer("k", (segment((1, 2, 3, 4, 5)),))
+    try:
+        r = request("r", [1, 2, 3, 4, 5, 6], key="k", inject_end=5)
+        assert sched.get_num_new_matched_tokens(r, 0) == (5, True)
+        assert sched.get_num_new_matched_tokens(r, 2) == (3, False)  # after a local hit of 2: 3 tokens, inline
+        sched.update_state_after_alloc(r, Blocks([3, 1]), 3)
+        (load,) = sched.build_connector_meta(step()).loads
+        assert load.request_id is None and (load.start, load.end) == (2, 5)
+    finally:
+        process_segments().discard("k")
+
+
+def test_background_loads_take_1024_tokens_by_default_and_are_configurable() -> None:
     seg = kv_transfer_engine_arg("decode", handoff=False, on_gpu=False, segments=True)
-    assert seg["kv_connector_extra_config"] == {"async_load": True}
-    both = kv_transfer_engine_arg("decode", handoff=True, on_gpu=False, segments=True, segment_async_load=False)
-    children = both["kv_connector_extra_config"]["connectors"]
-    assert [c.get("kv_connector_extra_config", {}).get("async_load") for c in children if c["kv_connector"] == "SegmentConnector"] == [False]
-    spec = build_engine_spec(EngineConfig(model="m", segment_async_load=False), role="decode", handoff=False,
+    assert seg["kv_connector_extra_config"] == {"async_load_min_tokens": None}  # the plain default: inline
+    spec = build_engine_spec(EngineConfig(model="m"), role="decode", handoff=False, model_path="/m", on_gpu=False,
+                             cache_root="/tmp", segments=True)
+    assert spec.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"] == {"async_load_min_tokens": 1024}
+    spec = build_engine_spec(EngineConfig(model="m", segment_async_load_min_tokens=None), role="decode", handoff=True,
                              model_path="/m", on_gpu=False, cache_root="/tmp", segments=True)
-    assert spec.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"] == {"async_load": False}
-    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"async_load": True}))
-    assert async_loads_configured(cfg) and not async_loads_configured(SimpleNamespace(kv_transfer_config=None))
-    with pytest.raises(ValueError, match="must be a bool"):
-        async_loads_configured(SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={"async_load": "yes"})))
-    assert SegmentScheduler.from_config(async_config()).async_loads
-    assert not SegmentScheduler.from_config(vllm_config()).async_loads
+    children = spec.engine_kwargs["kv_transfer_config"]["kv_connector_extra_config"]["connectors"]
+    assert [c["kv_connector_extra_config"] for c in children if c["kv_connector"] == "SegmentConnector"] == [
+        {"async_load_min_tokens": None}]
+    with pytest.raises(ValueError):
+        EngineConfig(model="m", segment_async_load_min_tokens=-1)
+    assert async_min_tokens_configured(async_config(7)) == 7
+    assert async_min_tokens_configured(SimpleNamespace(kv_transfer_config=None)) is None
+    for bad in ("yes", True, -3):
+        with pytest.raises(ValueError, match="async_load_min_tokens"):
+            async_min_tokens_configured(async_config(bad))
+    assert SegmentScheduler.from_config(vllm_config()).async_min_tokens is None
 
 
 def test_the_engine_loop_waits_only_when_no_request_runs() -> None:
