@@ -138,6 +138,7 @@ SEGMENT_COUNTERS = {
     "injected_tokens": "prompt tokens supplied by segment loads",
     "load_seconds": "seconds spent laying segments into the paged KV cache",
     "prepared_loads": "segment loads whose KV was rotated and cast before the engine thread (the rest: on it)",
+    "background_loads": "segment loads written on the connector's loader thread while the engine stepped others",
     "load_failures": "segment loads that failed (their blocks were recomputed)",
     "unavailable": "injections asked for whose segments were missing or did not match (recomputed)",
     "captures": "segment captures handed back to their submitter",

@@ -30,6 +30,9 @@ class SegmentStats:
     # loads whose KV came rotated and cast from the pull path (kv_transfer/prepared.py); the other
     # injections were rotated and cast on the engine thread
     prepared_loads: int = 0
+    # loads written on the connector's loader thread while the engine stepped other requests
+    # (kv_transfer/segment_loader.py); the other injections were written on the engine thread
+    background_loads: int = 0
     load_failures: int = 0  # loads that raised (their blocks were recomputed)
     unavailable: int = 0  # asked to inject, but the segments were missing or did not match
     captures: int = 0  # captures handed back to their submitter
@@ -41,8 +44,9 @@ class SegmentStats:
             raise ValueError(f"segment counters cannot be negative: {negative}")
         if self.injected_tokens < self.injections:
             raise ValueError(f"{self.injections} injections but only {self.injected_tokens} injected tokens")
-        if self.prepared_loads > self.injections:
-            raise ValueError(f"{self.prepared_loads} prepared loads but only {self.injections} injections")
+        if self.prepared_loads > self.injections or self.background_loads > self.injections:
+            raise ValueError(f"{self.prepared_loads} prepared and {self.background_loads} background loads "
+                             f"but only {self.injections} injections")
 
     def __add__(self, other: SegmentStats) -> SegmentStats:
         return SegmentStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
@@ -68,11 +72,13 @@ class SegmentCounters:
         with self._lock:
             self._stats = self._stats + SegmentStats(**delta)
 
-    def injected(self, tokens: int, seconds: float, prepared: bool = False) -> None:
-        """A load laid `tokens` positions in `seconds`; prepared: from KV rotated in the pull path."""
+    def injected(self, tokens: int, seconds: float, prepared: bool = False, background: bool = False) -> None:
+        """A load laid `tokens` positions in `seconds`; prepared: from KV rotated in the pull path;
+        background: on the loader thread."""
         if tokens <= 0:
             raise ValueError(f"an injection lays at least one token, got {tokens}")
-        self._add(injections=1, injected_tokens=tokens, load_seconds=seconds, prepared_loads=int(prepared))
+        self._add(injections=1, injected_tokens=tokens, load_seconds=seconds, prepared_loads=int(prepared),
+                  background_loads=int(background))
 
     def load_failed(self) -> None:
         self._add(load_failures=1)

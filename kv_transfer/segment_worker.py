@@ -141,8 +141,8 @@ class SegmentWorker:
 
     def prepare(self, segments: Sequence[KVSegment]) -> PreparedInjection:
         """The segments' KV rotated to positions 0..end-1 and cast to the engine's dtype, for a
-        request not yet submitted. Safe in any thread, concurrently with loads: it allocates its
-        own tensors (never the staging buffers the engine thread loads through)."""
+        request not yet submitted. Safe in any thread, concurrently with loads: its tensors are its
+        own (pooled buffers no live injection views, never the staging buffers loads go through)."""
         return prepare(segments, self._rotator_for_use(), self._dtype, self._buffers)
 
     def _attention_layers(self, forward_context: ForwardContext) -> list[Any]:
@@ -219,7 +219,8 @@ class SegmentWorker:
                 layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
         else:
             self._rotate_and_write(inj, load, layers, slots, staging)
-        self.counters.injected(load.end - load.start, time.perf_counter() - t0, prepared=prepared is not None)
+        self.counters.injected(load.end - load.start, time.perf_counter() - t0, prepared=prepared is not None,
+                               background=load.request_id is not None)
 
     def _usable(self, prepared: PreparedInjection | None, key: str) -> PreparedInjection | None:
         """The prepared KV when it was made for this engine (its rotation and dtype), else None: the

@@ -228,6 +228,7 @@ def test_async_and_engine_thread_loads_give_the_same_output_next_to_a_running_st
     finally:
         side.async_min_tokens = 1024
     assert worker.loader is not None and worker.loader.submitted == before + 1
+    assert worker.counters.snapshot().background_loads >= 1
     assert streamed > at_submit  # the stream stepped while the injected request ran
     worker.loader.check_integrity()
     assert worker.loader.in_flight == 0

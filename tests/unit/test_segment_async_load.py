@@ -91,7 +91,7 @@ def test_the_load_runs_while_the_engine_goes_on_and_is_reported_once(pair: tuple
     assert torch.allclose(cache[3, :, :, :DIM].transpose(0, 1), want[:4], atol=1e-5)
     assert torch.allclose(cache[1, :, 0, :DIM], want[4], atol=1e-5) and torch.equal(cache[1, :, 0, DIM:], seg.values[1, 4])
     counted = segment_stats() - before
-    assert (counted.injections, counted.injected_tokens, counted.load_failures) == (1, 5, 0)
+    assert (counted.injections, counted.injected_tokens, counted.background_loads, counted.load_failures) == (1, 5, 1, 0)
     worker.worker_side.loader.check_integrity()
 
 

@@ -16,8 +16,10 @@ def test_stats_invariants_are_checked() -> None:
         SegmentStats(load_failures=-1)
     with pytest.raises(ValueError, match="injected tokens"):
         SegmentStats(injections=2, injected_tokens=1)
-    with pytest.raises(ValueError, match="prepared loads"):
+    with pytest.raises(ValueError, match="2 prepared and 0 background loads"):
         SegmentStats(injections=1, injected_tokens=4, prepared_loads=2)
+    with pytest.raises(ValueError, match="0 prepared and 3 background loads"):
+        SegmentStats(injections=2, injected_tokens=4, background_loads=3)
     s = SegmentStats(injections=1, injected_tokens=4, load_seconds=0.5, captures=2)
     assert s + s == SegmentStats(injections=2, injected_tokens=8, load_seconds=1.0, captures=4)
     assert (s + s) - s == s
