@@ -109,7 +109,7 @@ def read_tokens(kv_cache: torch.Tensor, slots: torch.Tensor, layout: PagedLayout
                 torch.gather(runs, 2, v_in_run.expand(-1, heads, -1)))
     run = 2 * layout.block_size * layout.head_dim
     flat = kv_cache.view(-1)
-    base = ((blocks[:, None] * heads + torch.arange(heads)[None, :]) * run)[:, :, None]  # [T, H, 1]
+    base = ((blocks[:, None] * heads + torch.arange(heads, device=kv_cache.device)[None, :]) * run)[:, :, None]  # [T, H, 1]
     return flat[base + k_in_run], flat[base + v_in_run]
 
 

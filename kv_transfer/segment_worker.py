@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kv_transfer.buffer_pool import BufferPool
-from kv_transfer.paged_kv import PagedLayout, layer_writer, learn_layout, read_tokens
+from kv_transfer.paged_kv import layer_writer
+from kv_transfer.paged_layouts import CacheLayout, learn_cache_layout
 from kv_transfer.prepared import PreparedInjection, prepare
 from kv_transfer.rope import RopeSpec, Rotator, UnsupportedRope, remove_rope, rope_from_model, rope_from_vllm_config
 from kv_transfer.segment_loader import AsyncLoader
@@ -87,7 +88,7 @@ class SegmentWorker:
         self._buffers = BufferPool()  # prepared injections' tensors, reused across requests
         self._loader: AsyncLoader | None = None  # started by the first asynchronous load
         self._layers: list[Any] | None = None
-        self._layout: PagedLayout | None = None
+        self._layout: CacheLayout | None = None
         self._failed_blocks: set[int] = set()
 
     @classmethod
@@ -211,12 +212,13 @@ class SegmentWorker:
         first = inj.segments[0]
         if first.keys.shape[0] != len(layers):
             raise RuntimeError(f"segments have {first.keys.shape[0]} layers, the model {len(layers)}")
-        slots = torch.tensor(load.slots, dtype=torch.long)
+        device = layers[0].kv_cache.device  # the host's KV goes to the cache's device (no copy on CPU)
+        slots = torch.tensor(load.slots, dtype=torch.long, device=device)
         prepared = self._usable(inj.prepared, load.key)
         if prepared is not None:  # rotated and cast in the pull path: slice and write
             for i, layer in enumerate(layers):
                 keys, values = prepared.layer_range(i, load.start, load.end)
-                layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, slots)
+                layer.impl.do_kv_cache_update(layer, keys.to(device), values.to(device), layer.kv_cache, slots)
         else:
             self._rotate_and_write(inj, load, layers, slots, staging)
         self.counters.injected(load.end - load.start, time.perf_counter() - t0, prepared=prepared is not None,
@@ -243,8 +245,9 @@ class SegmentWorker:
         inj.copy_range(load.start, load.end, keys, values)
         rotator.apply_(keys, torch.arange(load.start, load.end))
         keys16.copy_(keys)
+        device = slots.device
         for i, layer in enumerate(layers):
-            layer.impl.do_kv_cache_update(layer, keys16[i], values[i], layer.kv_cache, slots)
+            layer.impl.do_kv_cache_update(layer, keys16[i].to(device), values[i].to(device), layer.kv_cache, slots)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -266,13 +269,17 @@ class SegmentWorker:
             raise RuntimeError("no attention layers seen yet")
         layers = self._layers
         if self._layout is None:
-            self._layout = learn_layout(layer_writer(layers[0]), self._block_size, self._spec().head_dim, self._dtype)
+            self._layout = learn_cache_layout(layer_writer(layers[0]), layers[0].kv_cache, self._block_size,
+                                              self._spec().head_dim, self._dtype)
+            logger.info("segment captures read the paged KV as layout %s", self._layout.name)
+        device = layers[0].kv_cache.device
         out = []
         for (a, b), slots in zip(cap.ranges, cap.slots, strict=True):
-            idx = torch.tensor(slots, dtype=torch.long)
-            ks, vs = zip(*(read_tokens(layer.kv_cache, idx, self._layout) for layer in layers), strict=True)
-            keys = remove_rope(torch.stack(ks), torch.arange(a, b), self._spec())
-            out.append(KVSegment(cap.token_ids[a:b], keys, torch.stack(vs).clone()))
+            idx = torch.tensor(slots, dtype=torch.long, device=device)
+            ks, vs = zip(*(self._layout.read(layer.kv_cache, idx) for layer in layers), strict=True)
+            # segments live on the host: read on the cache's device, copy, de-rotate there
+            keys = remove_rope(torch.stack(ks).cpu(), torch.arange(a, b), self._spec())
+            out.append(KVSegment(cap.token_ids[a:b], keys, torch.stack(vs).cpu()))  # stack: a new tensor, not a cache view
         return tuple(out)
 
 
