@@ -119,9 +119,9 @@ class SegmentConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().start_load_kv(self._meta(), forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # an asynchronous load ends before its request is scheduled (get_finished); a synchronous
-        # one ends inside start_load_kv, before the forward pass: no layer ever waits
-        return
+        # an asynchronous load ends before its request is scheduled (get_finished); this step's
+        # inline loads may still be writing later layers (kv_transfer/layered_load.py)
+        self._work().wait_for_layer_load(layer_name)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(nothing is sent, the requests whose asynchronous segment loads ended)."""

@@ -19,6 +19,7 @@ injected span no position-free segment can supply, or several attention groups (
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -88,12 +89,16 @@ class SegmentScheduler:
         thread (kv_transfer/segment_loader.py) and its request waits in vLLM's
         WAITING_FOR_REMOTE_KVS while other requests step; a shorter one runs before the forward
         pass of the step that schedules it (writing it there costs less than the step its request
-        would wait for). None: every load runs there."""
+        would wait for). None: every load runs there. `others_running` (set by the engine runner:
+        whether vLLM's scheduler runs any request): when it says none do, a load runs inline too,
+        overlapped with the forward pass — in the background it would keep nothing else going and
+        only cost its request a step."""
         if block_size <= 0:
             raise ValueError(f"block size must be positive, got {block_size}")
         self._block_size = block_size
         self.disabled = disabled
         self.async_min_tokens = async_min_tokens
+        self.others_running: Callable[[], bool] | None = None
         self._table = table if table is not None else process_segments()
         self.counters = counters if counters is not None else new_counters()
         self._matched: dict[str, tuple[int, bool]] = {}  # request id → (inject end promised, loaded asynchronously)
@@ -142,7 +147,8 @@ class SegmentScheduler:
         n = end - num_computed_tokens
         # decided once per request: `async_min_tokens` may be changed while the engine runs (a
         # bench compares both ways), and vLLM's handling of this request follows the answer given here
-        in_background = self.async_min_tokens is not None and n >= self.async_min_tokens
+        in_background = (self.async_min_tokens is not None and n >= self.async_min_tokens
+                         and (self.others_running is None or self.others_running()))
         self._matched[request.request_id] = (end, in_background)
         return n, in_background
 

@@ -22,12 +22,14 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kv_transfer.buffer_pool import BufferPool
+from kv_transfer.layered_load import LayeredLoad
 from kv_transfer.paged_kv import layer_writer
 from kv_transfer.paged_layouts import CacheLayout, learn_cache_layout
 from kv_transfer.prepared import PreparedInjection, prepare
@@ -36,6 +38,7 @@ from kv_transfer.segment_loader import AsyncLoader
 from kv_transfer.segment_meta import SegmentCapture, SegmentConnectorMetadata, SegmentLoad
 from kv_transfer.segment_stats import SegmentCounters, new_counters
 from kv_transfer.segments import CaptureResult, Injection, KVSegment, SegmentTable, process_segments
+from kv_transfer.staging import Staging, device_sync
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -48,31 +51,14 @@ logger = logging.getLogger("baton.kv_transfer.segments")
 _LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
-class _Staging:
-    """Reusable load buffers: fresh 100 MB tensors per request cost more in page faults (~0.3 s
-    here) than the whole rotation, so loads copy into buffers that only ever grow."""
-
-    def __init__(self) -> None:
-        self._f32 = torch.empty(0)
-        self._low = torch.empty(0, dtype=torch.bfloat16)
-        self._val = torch.empty(0, dtype=torch.bfloat16)
-
-    def views(self, layers: int, n: int, heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        size = layers * n * heads * dim
-        if self._f32.numel() < size:
-            self._f32 = torch.empty(size)
-        if self._low.numel() < size or self._low.dtype != dtype:
-            self._low = torch.empty(size, dtype=dtype)
-            self._val = torch.empty(size, dtype=dtype)
-        shape = (layers, n, heads, dim)
-        return self._f32[:size].view(shape), self._low[:size].view(shape), self._val[:size].view(shape)
-
-
 class SegmentWorker:
     """Worker-side state: the attention layers, the rope table, staging buffers, failed blocks."""
 
     def __init__(self, block_size: int, dtype: torch.dtype, rope: RopeSpec | None, max_positions: int,
-                 table: SegmentTable | None = None, counters: SegmentCounters | None = None):
+                 table: SegmentTable | None = None, counters: SegmentCounters | None = None,
+                 overlap_layers: bool = False):
+        """overlap_layers: a step's inline loads are written layer by layer while its forward pass
+        runs (kv_transfer/layered_load.py; eager execution only)."""
         if block_size <= 0 or max_positions <= 0:
             raise ValueError(f"block size {block_size} and max positions {max_positions} must be positive")
         self._block_size = block_size
@@ -83,11 +69,16 @@ class SegmentWorker:
         self.counters = counters if counters is not None else new_counters()
         self._rotator: Rotator | None = None  # built on first use (a load, or a prepare in another thread)
         self._rotator_lock = threading.Lock()
-        self._staging = _Staging()  # the engine thread's (synchronous loads)
-        self._loader_staging = _Staging()  # the loader thread's
+        self._staging = Staging()  # the engine thread's (synchronous loads)
+        self._loader_staging = Staging()  # the loader thread's
         self._buffers = BufferPool()  # prepared injections' tensors, reused across requests
         self._loader: AsyncLoader | None = None  # started by the first asynchronous load
+        self._overlap_layers = overlap_layers
+        self._layer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-segment-layers") if overlap_layers else None
+        self._layered: LayeredLoad[SegmentLoad] | None = None
+        self.layer_waits = 0  # attention layers that waited on an overlapped load (vLLM calls wait_for_layer_load)
         self._layers: list[Any] | None = None
+        self._layer_index: dict[str, int] = {}
         self._layout: CacheLayout | None = None
         self._failed_blocks: set[int] = set()
 
@@ -105,7 +96,8 @@ class SegmentWorker:
         except UnsupportedRope as e:
             logger.warning("segment worker: %s", e)
             rope = None
-        return cls(vllm_config.cache_config.block_size, mc.dtype, rope, mc.max_model_len)
+        return cls(vllm_config.cache_config.block_size, mc.dtype, rope, mc.max_model_len,
+                   overlap_layers=bool(getattr(mc, "enforce_eager", False)))
 
     @property
     def rope(self) -> RopeSpec | None:
@@ -155,6 +147,9 @@ class SegmentWorker:
                 and getattr(layer, "impl", None) is not None
             ]
             self._layers = [layer for _, layer in sorted(named, key=lambda x: x[0])]
+            by_id = {id(layer): i for i, layer in enumerate(self._layers)}
+            self._layer_index = {name: by_id[id(layer)] for name, layer in forward_context.no_compile_layers.items()
+                                 if id(layer) in by_id}
         return self._layers
 
     # ---- loads (start_load_kv) --------------------------------------------------------------------
@@ -162,21 +157,44 @@ class SegmentWorker:
         if not meta.loads and not meta.captures:
             return
         layers = self._attention_layers(forward_context)
+        inline = []
         for load in meta.loads:
             if load.request_id is not None:
                 self._submit(load, layers)
-                continue
+            else:
+                inline.append(load)
+        if inline and self._overlap_layers:  # written while the forward pass runs (wait_for_layer_load)
+            self._layered = LayeredLoad(self._layer_pool, [(ld, self._layer_writes(ld, layers, self._staging)) for ld in inline],
+                                        len(layers))
+            return
+        for load in inline:
             try:
                 self._load(load, layers, self._staging)
-            except Exception:
-                logger.exception("segment load %s failed; its blocks will be recomputed", load.key)
-                self.counters.load_failed()
-                self._failed_blocks.update(s // self._block_size for s in load.slots)
+            except Exception as e:  # noqa: BLE001 - a failed load is recomputed; the step goes on
+                self._inline_failed(load, e)
+
+    def _inline_failed(self, load: SegmentLoad, error: BaseException) -> None:
+        logger.error("segment load %s failed; its blocks will be recomputed", load.key,
+                     exc_info=(type(error), error, error.__traceback__))
+        self.counters.load_failed()
+        self._failed_blocks.update(s // self._block_size for s in load.slots)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before `layer_name`'s attention: wait until this step's inline loads wrote its KV."""
+        if self._layered is not None:
+            self.layer_waits += 1
+            self._layered.wait_layer(self._layer_index.get(layer_name, -1))
+
+    def _join_layered(self) -> None:
+        if self._layered is not None:
+            layered, self._layered = self._layered, None
+            for load, error in layered.join():
+                self._inline_failed(load, error)
 
     def _submit(self, load: SegmentLoad, layers: list[Any]) -> None:
         assert load.request_id is not None
         if self._loader is None:
-            self._loader = AsyncLoader(after_load=_device_sync(layers))
+            self._loader = AsyncLoader(after_load=device_sync(layers))
 
         def run() -> None:
             try:
@@ -203,8 +221,16 @@ class SegmentWorker:
     def shutdown(self) -> None:
         if self._loader is not None:
             self._loader.shutdown()
+        if self._layer_pool is not None:
+            self._layer_pool.shutdown(wait=True)
 
-    def _load(self, load: SegmentLoad, layers: list[Any], staging: _Staging) -> None:
+    def _load(self, load: SegmentLoad, layers: list[Any], staging: Staging) -> None:
+        for _ in self._layer_writes(load, layers, staging):
+            pass
+
+    def _layer_writes(self, load: SegmentLoad, layers: list[Any], staging: Staging) -> Iterator[None]:
+        """Write `load` one layer per step of the generator (its checks, and for unprepared
+        segments the rotation of the whole range, run before the first layer)."""
         t0 = time.perf_counter()
         inj = self._table.injection(load.key)
         if inj is None:
@@ -215,12 +241,12 @@ class SegmentWorker:
         device = layers[0].kv_cache.device  # the host's KV goes to the cache's device (no copy on CPU)
         slots = torch.tensor(load.slots, dtype=torch.long, device=device)
         prepared = self._usable(inj.prepared, load.key)
-        if prepared is not None:  # rotated and cast in the pull path: slice and write
-            for i, layer in enumerate(layers):
-                keys, values = prepared.layer_range(i, load.start, load.end)
-                layer.impl.do_kv_cache_update(layer, keys.to(device), values.to(device), layer.kv_cache, slots)
-        else:
-            self._rotate_and_write(inj, load, layers, slots, staging)
+        rotated = None if prepared is not None else self._rotated(inj, load, len(layers), staging)
+        for i, layer in enumerate(layers):
+            # prepared: rotated and cast in the pull path, only sliced here
+            keys, values = prepared.layer_range(i, load.start, load.end) if prepared is not None else (rotated[0][i], rotated[1][i])
+            layer.impl.do_kv_cache_update(layer, keys.to(device), values.to(device), layer.kv_cache, slots)
+            yield
         self.counters.injected(load.end - load.start, time.perf_counter() - t0, prepared=prepared is not None,
                                background=load.request_id is not None)
 
@@ -235,19 +261,17 @@ class SegmentWorker:
             return None
         return prepared
 
-    def _rotate_and_write(self, inj: Injection, load: SegmentLoad, layers: list[Any], slots: torch.Tensor,
-                          staging: _Staging) -> None:
-        """The unprepared path: copy the range into staging, rotate it to its positions, cast."""
+    def _rotated(self, inj: Injection, load: SegmentLoad, num_layers: int, staging: Staging) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unprepared path: the range copied into staging, rotated to its positions and cast
+        (keys, values [layers, n, heads, dim] in the engine's dtype)."""
         first = inj.segments[0]
         rotator = self._rotator_for_use()
         n = load.end - load.start
-        keys, keys16, values = staging.views(len(layers), n, first.keys.shape[2], first.keys.shape[3], self._dtype)
+        keys, keys16, values = staging.views(num_layers, n, first.keys.shape[2], first.keys.shape[3], self._dtype)
         inj.copy_range(load.start, load.end, keys, values)
         rotator.apply_(keys, torch.arange(load.start, load.end))
         keys16.copy_(keys)
-        device = slots.device
-        for i, layer in enumerate(layers):
-            layer.impl.do_kv_cache_update(layer, keys16[i].to(device), values[i].to(device), layer.kv_cache, slots)
+        return keys16, values
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -255,6 +279,7 @@ class SegmentWorker:
 
     # ---- captures (wait_for_save) -----------------------------------------------------------------
     def wait_for_save(self, meta: SegmentConnectorMetadata) -> None:
+        self._join_layered()  # the step's inline loads are all written before its output is read
         for cap in meta.captures:
             try:
                 self._table.put_capture(cap.key, CaptureResult(segments=self._capture(cap)))
@@ -281,16 +306,6 @@ class SegmentWorker:
             keys = remove_rope(torch.stack(ks).cpu(), torch.arange(a, b), self._spec())
             out.append(KVSegment(cap.token_ids[a:b], keys, torch.stack(vs).cpu()))  # stack: a new tensor, not a cache view
         return tuple(out)
-
-
-def _device_sync(layers: list[Any]) -> Any:
-    """What the loader runs after a load's writes: on CUDA, wait for them (the loader thread's
-    stream), so a load reported done has its KV in the cache; on CPU the writes are done already."""
-    cache = getattr(layers[0], "kv_cache", None) if layers else None
-    if isinstance(cache, torch.Tensor) and cache.is_cuda:
-        device = cache.device
-        return lambda: torch.cuda.current_stream(device).synchronize()
-    return None
 
 
 def process_segment_worker() -> SegmentWorker | None:

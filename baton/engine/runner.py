@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from baton.engine.args import EngineSpec
 from baton.engine.deltas import coalesce, delta_from_output
 from baton.engine.sampling import engine_inputs
-from baton.engine.scheduler_stats import find_scheduler, kv_capacity_tokens, scheduler_stats
+from baton.engine.scheduler_stats import find_scheduler, kv_capacity_tokens, none_running, scheduler_stats, wire_segment_scheduler
 from baton.engine.streams import Stream, StreamTable
 from baton.engine.types import (
     EngineRequestError,
@@ -211,6 +211,7 @@ class EngineRunner:
             return
         self._scheduler = find_scheduler(engine)
         self._kv_capacity_tokens = kv_capacity_tokens(self._scheduler)
+        wire_segment_scheduler(self._scheduler)
         self.start_seconds = time.monotonic() - t0
         started = self._streams.start(EngineStats(kv_capacity_tokens=self._kv_capacity_tokens))
         self._ready.set()
@@ -321,13 +322,6 @@ class EngineRunner:
             self._checkpoints_at = now
             self._checkpoint_metrics = sched.checkpoint_metrics()
         self._streams.publish(scheduler_stats(sched, self._kv_capacity_tokens, len(self._streams), steps))
-
-
-def none_running(scheduler: Any) -> bool:
-    """Whether vLLM's scheduler runs no request (asked of an engine with unfinished requests: they
-    all wait, on KV being loaded); False when it cannot tell (no scheduler found)."""
-    running = getattr(scheduler, "running", None)
-    return isinstance(running, list) and not running
 
 
 def _segment_params(segments: SegmentTable, key: str, injection: tuple[KVSegment, ...] | PreparedInjection | None,

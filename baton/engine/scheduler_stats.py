@@ -1,4 +1,5 @@
-"""Load figures read from vLLM's in-process scheduler (engine thread only; pure reads, no vLLM import).
+"""Load figures read from vLLM's in-process scheduler (engine thread only; pure reads, no vLLM import),
+and the few facts about it the engine loop and the segment connector act on.
 
 The scheduler exists in this process when VLLM_ENABLE_V1_MULTIPROCESSING=0; with any other engine
 (a fake in tests, a multiprocess engine) `find_scheduler` returns None and the stats carry only
@@ -50,3 +51,22 @@ def scheduler_stats(sched: Any, capacity_tokens: int, in_flight: int, steps: int
         in_flight=in_flight,
         steps=steps,
     )
+
+
+def wire_segment_scheduler(scheduler: Any) -> None:
+    """Let the segment connector's scheduler side see whether other requests run (it loads in the
+    background only then: kv_transfer/segment_scheduler.py)."""
+    if getattr(scheduler, "connector", None) is None:  # no connector (or a stand-in engine): nothing to wire, no vLLM import
+        return
+    from kv_transfer.segment_scheduler import segment_scheduler_of
+
+    side = segment_scheduler_of(scheduler)
+    if side is not None:
+        side.others_running = lambda: bool(scheduler.running)
+
+
+def none_running(scheduler: Any) -> bool:
+    """Whether vLLM's scheduler runs no request (asked of an engine with unfinished requests: they
+    all wait, on KV being loaded); False when it cannot tell (no scheduler found)."""
+    running = getattr(scheduler, "running", None)
+    return isinstance(running, list) and not running

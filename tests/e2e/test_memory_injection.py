@@ -232,8 +232,10 @@ def test_async_and_engine_thread_loads_give_the_same_output_next_to_a_running_st
     assert streamed > at_submit  # the stream stepped while the injected request ran
     worker.loader.check_integrity()
     assert worker.loader.in_flight == 0
-    on_engine_thread, _ = _run(runner, p.token_ids, injection=segs)  # under 1024 tokens: on the engine thread
-    thread_lp = list(LAST_LOGPROBS)
+    waits = worker.layer_waits
+    on_engine_thread, _ = _run(runner, p.token_ids, injection=segs)  # under 1024 tokens: on the engine thread,
+    thread_lp = list(LAST_LOGPROBS)  # written layer by layer while the forward pass runs (eager engine)
+    assert worker.layer_waits >= waits + 30  # SmolLM2's 30 attention layers each waited for their layer
     assert worker.loader.submitted == before + 1  # that one loaded on the engine thread
     assert in_background == on_engine_thread
     assert max(abs(a - b) for a, b in zip(bg_lp, thread_lp, strict=True)) < 1e-4

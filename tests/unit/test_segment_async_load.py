@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from baton.engine.args import build_engine_spec
 from baton.engine.config import EngineConfig
-from baton.engine.runner import none_running
+from baton.engine.scheduler_stats import none_running, wire_segment_scheduler
 from kv_transfer.config import kv_transfer_engine_arg
 from kv_transfer.rope import apply_rope
 from kv_transfer.segment_connector import SegmentConnector
@@ -197,3 +197,19 @@ def test_the_engine_loop_waits_only_when_no_request_runs() -> None:
     assert none_running(SimpleNamespace(running=[]))
     assert not none_running(SimpleNamespace(running=[object()]))
     assert not none_running(None)  # cannot tell: step as before
+
+
+def test_a_large_load_runs_inline_when_no_other_request_runs() -> None:
+    """In the background it would keep nothing going and cost its request a step."""
+    sched = SegmentScheduler.from_config(async_config(min_tokens=4))
+    vllm_sched = SimpleNamespace(connector=SimpleNamespace(scheduler_side=sched), running=[])
+    wire_segment_scheduler(vllm_sched)
+    process_segments().offer("k", (segment((1, 2, 3, 4, 5)),))
+    try:
+        r = request("r", [1, 2, 3, 4, 5, 6], key="k", inject_end=5)
+        assert sched.get_num_new_matched_tokens(r, 0) == (5, False)  # idle engine: inline
+        vllm_sched.running.append(object())
+        assert sched.get_num_new_matched_tokens(r, 0) == (5, True)  # others run: in the background
+    finally:
+        process_segments().discard("k")
+    wire_segment_scheduler(SimpleNamespace(connector=None))  # no segment connector: nothing to wire
