@@ -6,8 +6,10 @@ offered a PreparedInjection (kv_transfer/prepared.py: keys rotated to their prom
 cast in the pull path, by `prepare` in another thread), the load only slices its range and writes
 it; plain segments are copied into staging, re-rotated and cast by the load. An asynchronous load
 (the scheduler side's `async_min_tokens`) runs on the loader's background thread
-(kv_transfer/segment_loader.py) and is reported by `get_finished`; a synchronous one runs on the
-engine thread before the step's forward pass. A load that raises marks its blocks as failed, and with
+(kv_transfer/segment_loader.py) and is reported by `get_finished`; a synchronous (inline) one is
+written during the step that schedules it: on an eager engine layer by layer on a helper thread
+while the forward pass runs, each attention layer waiting for its own (kv_transfer/layered_load.py),
+else on the engine thread before the forward pass. A load that raises marks its blocks as failed, and with
 kv_load_failure_policy="recompute" vLLM recomputes them (the request still succeeds). A capture
 reads the KV of its ranges after the step that completes the prompt, removes RoPE, and puts the
 segments (or the error) under its key in the process SegmentTable.
