@@ -51,17 +51,17 @@ def _blocks_first_hnd(cache: torch.Tensor, slots: torch.Tensor, bs: int) -> tupl
     return cache[b, 0, :, o], cache[b, 1, :, o]  # advanced indices around a slice: [T, H, D]
 
 
-def _candidates(shape: tuple[int, ...], bs: int, d: int) -> list[tuple[str, tuple[int, ...], Callable[..., tuple[torch.Tensor, torch.Tensor]]]]:
-    """Pure: (name, scratch shape with two blocks, reader) of every 5-D layout this shape fits."""
+def _candidates(shape: tuple[int, ...], bs: int, d: int) -> list[tuple[str, tuple[int, ...], int, Callable[..., tuple[torch.Tensor, torch.Tensor]]]]:
+    """Pure: (name, scratch shape with two blocks, heads, reader) of every 5-D layout this shape fits."""
     out = []
     if len(shape) != 5 or shape[4] != d:
         return out
     if shape[0] == 2 and shape[2] == bs:
-        out.append(("kv_first", (2, 2, bs, shape[3], d), _kv_first))
+        out.append(("kv_first", (2, 2, bs, shape[3], d), shape[3], _kv_first))
     if shape[1] == 2 and shape[2] == bs:
-        out.append(("blocks_first", (2, 2, bs, shape[3], d), _blocks_first))
+        out.append(("blocks_first", (2, 2, bs, shape[3], d), shape[3], _blocks_first))
     if shape[1] == 2 and shape[3] == bs:
-        out.append(("blocks_first_hnd", (2, 2, shape[2], bs, d), _blocks_first_hnd))
+        out.append(("blocks_first_hnd", (2, 2, shape[2], bs, d), shape[2], _blocks_first_hnd))
     return out
 
 
@@ -93,8 +93,7 @@ def learn_cache_layout(write: WriteFn, kv_cache: torch.Tensor, block_size: int, 
         moved = PagedLayout(runs.block_size, runs.head_dim, runs.key_index.to(kv_cache.device),
                             runs.value_index.to(kv_cache.device))
         return CacheLayout("cpu_runs", lambda cache, slots: read_tokens(cache, slots, moved))
-    for name, scratch_shape, reader in _candidates(shape, block_size, head_dim):
-        heads = scratch_shape[3] if name != "blocks_first_hnd" else scratch_shape[2]
+    for name, scratch_shape, heads, reader in _candidates(shape, block_size, head_dim):
         if _probe_ok(write, scratch_shape, reader, block_size, heads, head_dim, dtype, kv_cache.device):
             return CacheLayout(name, lambda cache, slots, _r=reader: _r(cache, slots, block_size))
     raise UnsupportedLayout(f"paged KV of shape {shape} (block size {block_size}, head dim {head_dim}) is none of the "

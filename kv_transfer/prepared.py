@@ -113,6 +113,6 @@ def prepare(segments: Sequence[KVSegment], rotator: Rotator, dtype: torch.dtype,
         if scratch is not None:
             keys[layer].copy_(scratch[0])
     out = PreparedInjection(segs, keys, values, rotator.spec)
-    if pool is not None and bufs is not None:
+    if bufs is not None:
         pool.give_when_dead(out, *bufs)
     return out

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_segment_connector import DIM, SPEC, Blocks, forward_context, request, run_worker, segment, step, vllm_config
+from test_segment_connector import DIM, SPEC, Blocks, forward_context, request, run_withdrawn_load, run_worker, segment, step, vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from baton.engine.args import build_engine_spec
@@ -98,13 +98,7 @@ def test_the_load_runs_while_the_engine_goes_on_and_is_reported_once(pair: tuple
 def test_a_failed_async_load_reports_its_request_and_blocks_in_the_same_output(pair: tuple[Any, Any]) -> None:
     sched, worker = pair
     before = segment_stats()
-    process_segments().offer("k", (segment((1, 2, 3, 4, 5, 6)),))
-    r = request("r", [1, 2, 3, 4, 5, 6, 7], key="k", inject_end=6)
-    assert sched.get_num_new_matched_tokens(r, 0) == (6, True)
-    sched.update_state_after_alloc(r, Blocks([2, 5]), 6)
-    meta = sched.build_connector_meta(step())
-    process_segments().discard("k")  # withdrawn before the load ran
-    run_worker(worker, meta, forward_context())
+    run_withdrawn_load(sched, worker, in_background=True)
     assert worker.worker_side.loader.wait_idle(5)
     # vLLM reads get_finished, then the load errors, of one output: both must name this load
     assert worker.get_finished(set()) == (None, {"r"})

@@ -155,16 +155,22 @@ def test_refused_injections_are_counted_and_recomputed(pair: tuple[Any, Any]) ->
     assert segment_stats() - before == SegmentStats(unavailable=3)
 
 
+def run_withdrawn_load(sched: Any, worker: Any, in_background: bool) -> None:
+    """Schedule a 6-token load of request "r" into blocks [2, 5], withdraw its segments (the
+    submitter gave up between scheduling and the load), then run the worker's step."""
+    process_segments().offer("k", (segment((1, 2, 3, 4, 5, 6)),))
+    r = request("r", [1, 2, 3, 4, 5, 6, 7], key="k", inject_end=6)
+    assert sched.get_num_new_matched_tokens(r, 0) == (6, in_background)
+    sched.update_state_after_alloc(r, Blocks([2, 5]), 6)
+    meta = sched.build_connector_meta(step())
+    process_segments().discard("k")
+    run_worker(worker, meta, forward_context())
+
+
 def test_a_load_whose_segments_were_withdrawn_fails_its_blocks(pair: tuple[Any, Any]) -> None:
     sched, worker = pair
     before = segment_stats()
-    process_segments().offer("k", (segment((1, 2, 3, 4, 5, 6)),))
-    r = request("r", [1, 2, 3, 4, 5, 6, 7], key="k", inject_end=6)
-    assert sched.get_num_new_matched_tokens(r, 0) == (6, False)
-    sched.update_state_after_alloc(r, Blocks([2, 5]), 6)
-    meta = sched.build_connector_meta(step())
-    process_segments().discard("k")  # the submitter gave up between scheduling and the load
-    run_worker(worker, meta, forward_context())
+    run_withdrawn_load(sched, worker, in_background=False)
     assert worker.get_block_ids_with_load_errors() == {2, 5}
     assert worker.get_block_ids_with_load_errors() == set()  # reported once
     assert segment_stats() - before == SegmentStats(load_failures=1)
