@@ -1,5 +1,5 @@
 # Two commands for a fresh machine: `make demo` (set up, serve, replay a trace, stop) and `make test`.
-.PHONY: setup demo lint test test-unit test-e2e
+.PHONY: setup demo lint test test-unit test-e2e lock
 
 setup:
 	bash scripts/setup.sh
@@ -18,3 +18,7 @@ test-unit: lint
 
 test-e2e: setup
 	.venv/bin/python -m pytest tests/e2e -q -p no:cacheprovider
+
+# re-pin constraints.txt to what .venv now holds (after changing a dependency and running setup)
+lock:
+	.venv/bin/python -m baton.tools.lock
