@@ -30,7 +30,7 @@ if [ ! -f "$STAMP" ]; then
   $PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   touch "$STAMP"
 fi
-# the project's own dependencies follow pyproject.toml: re-resolve them whenever it changes
+# the project's own dependencies follow pyproject.toml and constraints.txt: re-resolve them whenever either changes
 PROJECT_STAMP=$VENV/.baton-project-$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ ! -f "$PROJECT_STAMP" ]; then
   echo "[setup] installing the project's dependencies (pyproject.toml or constraints.txt changed)"
