@@ -5,8 +5,9 @@ whole history (the prefix cache keeps every earlier tick), a bounded one nothing
 window live on the host and enter the pool only during its tick). Per decoder, from what its
 replica counts (baton/engine/realtime/growth.py):
 
-    retained R  = Σ live sessions' retained history tokens; tokens of completed ticks only, so a
-                  tick in flight (its prompt's partial tail block, its reply) is not counted
+    retained R  = Σ live sessions' retained history tokens; tokens of completed ticks only, in
+                  whole KV blocks (what the prefix cache keeps: growth.retained_tokens), so a tick
+                  in flight and a history's partial tail block are not counted
     offered g_o = Σ tokens a session appended over its recent ticks ÷ (those ticks × its period)
     served  g_s = Σ the same tokens ÷ the seconds those ticks really took (measured tokens/s)
     growth  g   = min(g_o, g_s)       the pool fills no faster than the engine serves the ticks
@@ -14,7 +15,7 @@ replica counts (baton/engine/realtime/growth.py):
 
 No saturation ahead (eta None) when g = 0 or C is unknown (0); eta 0 when R >= C already.
 Sessions still warming up (one tick so far) count at the others' mean rate (growth.py).
-Counting tokens, not blocks, is what keeps the running ticks' blocks out of R.
+Counting the sessions' tokens, not the pool's blocks, is what keeps the running ticks' blocks out of R.
 
 `cliff_admission` turns a forecast into a verdict for a new real-time session: refuse (or warn)
 when the decoder's cliff is closer than `horizon_s` (realtime.cliff in the YAML). The directory

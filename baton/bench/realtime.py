@@ -22,9 +22,10 @@ Definitions (reported as measured, nothing simulated):
   (each session has its own cache salt, so every cached block is some session's history while no
   session has ended). Bounded: blocks in use only — its per-tick salts make every cached block
   single-use, dead KV that vLLM evicts on demand (reported as `cached_blocks`, not in ρ).
-- cliff: every SAMPLE_S the predictor forecasts from the sessions' token counts (retained history,
-  growth = min(offered, served); RealtimeSessions.token_growth) the seconds until retained tokens
-  reach SAT_RHO of the pool's capacity. Measured saturation t_sat: the first sample with ρ >= SAT_RHO.
+- cliff: every SAMPLE_S the predictor forecasts from the sessions' token counts (retained history
+  in whole KV blocks, growth = min(offered, served); RealtimeSessions.token_growth) the seconds until
+  retained tokens reach SAT_RHO of the pool's capacity; side by side, the same forecast counting
+  whole histories (partial tail blocks as if held: `cliff.whole_history`, the ablation). Measured saturation t_sat: the first sample with ρ >= SAT_RHO.
   Collapse onset: collapse.collapse_onset — the deadline of the first of DEFAULT_CONSECUTIVE (3)
   consecutive late-or-missing ticks of the engine, all sessions' ticks in scheduled-send order.
   Scored (cliff_score.score_cliff) at fits 25 / 50 / 75 % of the way from the first live sample to
@@ -292,11 +293,16 @@ class _Phase:
             g = self.sessions.token_growth(time.monotonic())
             capacity = self.runner.stats.kv_capacity_tokens
             fc = forecast_cliff(DecoderTokens(capacity, g.retained_tokens, g.offered_tokens_per_s, g.served_tokens_per_s), self.now())
+            # the same forecast counting whole histories (the predictor before whole-block counting), side by side
+            gh = self.sessions.token_growth(time.monotonic(), block_tokens=0)
+            fh = forecast_cliff(DecoderTokens(capacity, gh.retained_tokens, gh.offered_tokens_per_s, gh.served_tokens_per_s), self.now())
             self.pool.append({"t": self.now(), "live": self.live, "rho": min(1.0, rho), "in_use_blocks": in_use,
                               "retained_tokens": g.retained_tokens, "capacity_tokens": capacity,
                               "offered_tokens_per_s": g.offered_tokens_per_s, "served_tokens_per_s": g.served_tokens_per_s,
                               "growth_tokens_per_s": fc.growth_tokens_per_s, "growth_capped": fc.capped,
                               "growing_sessions": g.growing_sessions, "eta_s": fc.eta_s, "eta_sat_s": fc.seconds_to(SAT_RHO),
+                              "retained_history_tokens": gh.retained_tokens, "eta_sat_history_s": fh.seconds_to(SAT_RHO),
+                              "block_tokens": self.runner.stats.kv_block_tokens,
                               "cached_blocks": len(bp.cached_block_hash_to_block), "held_blocks": held,
                               "usable_blocks": usable, "kv_usage": self.runner.stats.kv_usage,
                               "loadavg_1m": os.getloadavg()[0]})
@@ -385,6 +391,8 @@ def cliff(pool: Sequence[dict[str, Any]], outcomes: Sequence[TickOutcome], first
     onset = collapse_onset(outcomes)
     samples = [ForecastSample(s["t"], s["eta_sat_s"]) for s in pool if s["live"] > 0]
     score = score_cliff(samples, start=start, saturation=measured, onset=onset)
+    history = score_cliff([ForecastSample(s["t"], s.get("eta_sat_history_s")) for s in pool if s["live"] > 0],
+                          start=start, saturation=measured, onset=onset)
     capped = [s for s in pool if s["live"] > 0 and measured is not None and s["t"] < measured]
     return {"predictor": "tokens: (SAT_RHO x capacity - retained) / min(offered, served)", "saturation_rho": SAT_RHO,
             "fit_fractions": list(FIT_FRACTIONS), "measured_saturation_s": measured, "onset_s": onset,
@@ -392,7 +400,10 @@ def cliff(pool: Sequence[dict[str, Any]], outcomes: Sequence[TickOutcome], first
             "first_session_collapse_s": first_collapse, "start_s": start, "forecasts": score.samples,
             "capped_share": sum(s["growth_capped"] for s in capped) / len(capped) if capped else None,
             "points": [{**asdict(p), "at_fit": _at_fit(pool, p.t_fit)} for p in score.points],
-            "error": score.horizon_error, "error_vs_onset": score.onset_error}
+            "error": score.horizon_error, "error_vs_onset": score.onset_error,
+            # the ablation: retained tokens as whole histories (partial tail blocks counted as held)
+            "whole_history": {"points": [asdict(p) for p in history.points], "error": history.horizon_error,
+                              "error_vs_onset": history.onset_error}}
 
 
 def _at_fit(pool: Sequence[dict[str, Any]], t_fit: float | None) -> dict[str, Any] | None:
@@ -636,6 +647,9 @@ def _print_summary(modes: dict[str, Any], aimd: dict[str, Any], wl: Workload) ->
         print(f"  fit {100 * p['fraction']:.0f}%: at {_num(p['t_fit'], 1)}s predicted {_num(p['predicted_s'], 1)}s -> "
               f"e={_num(p['horizon_error'])}, e_vs_onset={_num(p['onset_error'])}")
     print(f"  median: e={_num(c['error'])}, e_vs_onset={_num(c['error_vs_onset'])}")
+    h = c["whole_history"]
+    print(f"  counting whole histories instead of whole blocks: e={_num(h['error'])} "
+          f"({' / '.join(_num(p['horizon_error']) for p in h['points'])}), e_vs_onset={_num(h['error_vs_onset'])}")
     if aimd:
         print(f"[realtime] AIMD: P = {aimd['period_s']:.0f}s, target {wl.target_p99_ms:.0f} ms (controller at "
               f"{wl.aimd_setpoint:.2f} of it), offered {wl.aimd_low} -> "

@@ -25,6 +25,12 @@ def kv_capacity_tokens(sched: Any) -> int:
         return 0
 
 
+def block_tokens(sched: Any) -> int:
+    """Tokens per KV block of the scheduler's pool (0: unknown)."""
+    size = getattr(sched, "block_size", 0)
+    return size if isinstance(size, int) and size > 0 else 0
+
+
 def cached_fraction(sched: Any) -> float:
     """Blocks holding prefix-cached KV (in use or free for reuse) over the pool: what a session's
     retained history occupies even between its requests."""
@@ -45,6 +51,7 @@ def scheduler_stats(sched: Any, capacity_tokens: int, in_flight: int, steps: int
         kv_usage=usage,
         kv_resident=max(usage, cached_fraction(sched)),
         kv_capacity_tokens=capacity_tokens,
+        kv_block_tokens=block_tokens(sched),
         num_running=len(sched.running),
         num_waiting=len(sched.waiting),
         pending_prefill_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in requests),

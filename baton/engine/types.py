@@ -107,6 +107,7 @@ class EngineStats:
     kv_usage: float = 0.0
     kv_resident: float = 0.0  # fraction of the pool holding KV: in use, or cached for reuse (max of the two)
     kv_capacity_tokens: int = 0
+    kv_block_tokens: int = 0  # tokens per KV block (prefix caching keeps whole blocks only); 0: unknown
     num_running: int = 0
     num_waiting: int = 0
     pending_prefill_tokens: int = 0  # prompt tokens not yet computed, over running + waiting

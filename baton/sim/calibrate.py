@@ -22,6 +22,7 @@ conserve's headline load level (its JSON's "headline"."rate").
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,7 +59,11 @@ class CpuStepModel:
 
 
 def fit_step_model(steps: dict[str, Any]) -> CpuStepModel:
-    """Least-squares fit of the model in the module docstring to measured steps."""
+    """Least-squares fit of the model in the module docstring to measured steps. A step time that
+    is not a positive finite number is a broken measurement (re-run cpu_steps): ValueError."""
+    bad = [s for s in (*steps["prefill"], *steps["decode"]) if not (math.isfinite(s["seconds"]) and s["seconds"] > 0)]
+    if bad:
+        raise ValueError(f"steps.json has step times that are not positive: {bad[:3]}; re-run baton.sim.cpu_steps")
     pre = steps["prefill"]
     a = np.array([[1.0, s["tokens"], s["tokens"] * (s["context"] + s["tokens"] / 2)] for s in pre])
     p = np.linalg.lstsq(a, np.array([s["seconds"] for s in pre]), rcond=None)[0]

@@ -11,7 +11,8 @@ driven step by step:
   max_tokens=1; the time of the steps until its one token = one prefill chunk of `tokens` new
   tokens after `context` in KV (tokens <= max_num_batched_tokens, so one step);
 - decode: `batch` requests of `context` tokens each, all prefilled first; then the median time of
-  DECODE_STEPS pure decode steps.
+  DECODE_STEPS pure decode steps. A point whose requests the KV pool cannot hold at once (or that
+  the scheduler did not run all together) is skipped and listed under "skipped", never timed.
 Each point is the minimum over REPEATS (a noisy shared machine only ever adds time).
 """
 from __future__ import annotations
@@ -74,7 +75,16 @@ def time_prefill(engine: Any, rng: random.Random, tokens: int, context: int) -> 
     return best
 
 
-def time_decode(engine: Any, rng: random.Random, batch: int, context: int) -> float:
+def fits(batch: int, context: int, capacity_tokens: int) -> bool:
+    """Whether `batch` sequences of `context` tokens, decoding DECODE_STEPS + 8 more, fit the KV pool
+    at once (a point that does not fit would time preemption or an idle step, not a decode step)."""
+    return batch * (context + DECODE_STEPS + 8) <= capacity_tokens
+
+
+def time_decode(engine: Any, rng: random.Random, batch: int, context: int) -> float | None:
+    """The median decode-step time of `batch` running sequences; None when the scheduler did not
+    run all of them through the timed steps (the point is then left out, never timed short)."""
+    sched = engine.engine_core.engine_core.scheduler
     best = float("inf")
     for _ in range(REPEATS):
         _run(engine, [[rng.randrange(1000, 40000) for _ in range(context)] for _ in range(batch)], DECODE_STEPS + 8, "dec")
@@ -82,12 +92,15 @@ def time_decode(engine: Any, rng: random.Random, batch: int, context: int) -> fl
             outs = engine.step()
             if sum(1 for o in outs if o.outputs and len(o.outputs[0].token_ids) >= 1) >= batch:
                 break
-        times = []
+        times, all_running = [], True
         for _ in range(DECODE_STEPS):
+            all_running &= len(sched.running) == batch and not sched.waiting
             t0 = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t0)
         _drain(engine)
+        if not all_running:
+            return None
         best = min(best, statistics.median(times))
     return best
 
@@ -105,9 +118,15 @@ def measure(core: int) -> dict[str, Any]:
         if n <= sched.max_num_batched_tokens:
             out["prefill"].append({"tokens": n, "context": c, "seconds": time_prefill(engine, rng, n, c)})
             print(f"[cpu-steps] prefill {n} after {c}: {out['prefill'][-1]['seconds'] * 1e3:.1f} ms", flush=True)
+    out["skipped"] = []
     for b, c in DECODE_GRID:
-        out["decode"].append({"batch": b, "context": c, "seconds": time_decode(engine, rng, b, c)})
-        print(f"[cpu-steps] decode batch {b} at {c}: {out['decode'][-1]['seconds'] * 1e3:.1f} ms", flush=True)
+        seconds = time_decode(engine, rng, b, c) if fits(b, c, out["engine"]["kv_capacity_tokens"]) else None
+        if seconds is None:
+            out["skipped"].append({"batch": b, "context": c, "why": "not all sequences running at once (KV pool too small)"})
+            print(f"[cpu-steps] decode batch {b} at {c}: skipped, the pool does not hold them all", flush=True)
+            continue
+        out["decode"].append({"batch": b, "context": c, "seconds": seconds})
+        print(f"[cpu-steps] decode batch {b} at {c}: {seconds * 1e3:.1f} ms", flush=True)
     return out
 
 

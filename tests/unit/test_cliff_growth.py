@@ -1,16 +1,19 @@
 """What a replica counts for the cliff predictor (baton/engine/realtime/growth.py and
-RealtimeSessions.token_growth): retained history tokens of completed ticks only, and growth
+RealtimeSessions.token_growth): retained history tokens of completed ticks only (whole KV blocks
+when the engine's block size is known), and growth
 offered (tick period) vs served (measured). Pure, plus the manager over the fake runner."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from test_realtime_manager import FakeRunner, empty_segment_table
 
-from baton.engine.realtime.growth import STALE_PERIODS, SessionGrowth, session_growth, total_growth
+from baton.engine.realtime.growth import STALE_PERIODS, SessionGrowth, retained_tokens, session_growth, total_growth
 from baton.engine.realtime.manager import RealtimeSessions
 from baton.engine.realtime.messages import RealtimeOpen, RealtimeTick
+from baton.engine.realtime.session import SessionSpec, open_session
 
 __all__ = ["empty_segment_table"]  # the fixture, used by name
 
@@ -76,3 +79,38 @@ def test_the_manager_counts_unbounded_history_and_nothing_for_bounded_sessions()
     assert g.served_tokens_per_s > g.offered_tokens_per_s
     rs.close("u")
     assert rs.token_growth().retained_tokens == 0
+    # with the engine's block size known, only whole blocks count: the prefix cache keeps a finished
+    # tick's full blocks of prompt + reply (its last token has no KV yet), not its partial tail block
+    runner.stats = dataclasses.replace(runner.stats, kv_block_tokens=4)
+    assert rs.token_growth().retained_tokens == 0  # "u" closed above; "b" keeps nothing between ticks
+
+
+def test_retained_tokens_count_whole_blocks_of_what_the_last_tick_computed() -> None:
+    spec = SessionSpec(session_id="u", mode="unbounded", sink_tokens=2, window_tokens=6, max_tokens=2, salt="s")
+    fresh = open_session(spec, (1, 2, 3, 4))
+    assert retained_tokens(fresh, 4) == 0 == retained_tokens(fresh)  # no tick yet: nothing in the pool
+    state = dataclasses.replace(fresh, history=tuple(range(14)), pending=(7, 8), ticks=3)
+    assert retained_tokens(state) == 14  # block size unknown: the whole history
+    assert retained_tokens(state, 4) == 12  # 14 + 2 − 1 = 15 computed tokens: 3 whole blocks of 4
+    assert retained_tokens(state, 5) == 15  # exactly 3 blocks of 5
+    assert retained_tokens(state, 128) == 0  # all of it in one partial block, which is not kept
+    bounded = open_session(dataclasses.replace(spec, mode="bounded"), (1, 2, 3, 4))
+    assert retained_tokens(bounded, 4) == 0
+
+
+def test_the_manager_reports_the_pool_figure_and_keeps_the_rates_of_whole_histories() -> None:
+    runner = FakeRunner(reply_len=2)
+    rs = RealtimeSessions(runner)
+    rs.open(RealtimeOpen("u", "unbounded", (1, 2, 3, 4), sink_tokens=2, window_tokens=6, max_tokens=2, tick_s=8.0))  # type: ignore[arg-type]
+
+    async def ticks() -> None:
+        for seq in range(3):
+            await rs.tick(RealtimeTick("u", seq, (10 + seq, 20 + seq)))
+
+    asyncio.run(ticks())
+    whole = rs.token_growth(block_tokens=0)
+    runner.stats = dataclasses.replace(runner.stats, kv_block_tokens=4)
+    blocks = rs.token_growth()  # the engine's own block size
+    assert (whole.retained_tokens, blocks.retained_tokens) == (14, 12)
+    assert rs.token_growth(block_tokens=0).retained_tokens == 14  # an explicit 0 overrides the engine's
+    assert blocks.offered_tokens_per_s == pytest.approx(whole.offered_tokens_per_s) == pytest.approx(8 / 16)

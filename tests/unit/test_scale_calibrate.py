@@ -5,6 +5,7 @@ import pytest
 
 from baton.engine.simulated.timing import PrefillChunk, StepBatch
 from baton.sim.calibrate import CpuStepModel, calibration_error, fit_step_model, measured_ttfets
+from baton.sim.cpu_steps import fits
 
 TRUE = CpuStepModel(prefill=(0.01, 2e-4, 1e-8), decode=(0.02, 1e-3, 2e-7))
 
@@ -24,6 +25,18 @@ def test_the_fit_recovers_the_step_model_it_was_measured_from():
     mixed = StepBatch((PrefillChunk(256, 0),), (1000, 1000))
     alone = fit.step_time(StepBatch((PrefillChunk(256, 0),))).seconds
     assert fit.step_time(mixed).seconds == pytest.approx(alone + 2 * (1e-3 + 2e-7 * 1000))  # one fixed cost per step
+
+
+def test_a_step_time_that_is_not_positive_is_refused_not_fitted():
+    broken = steps_json()
+    broken["decode"][-1]["seconds"] = 0.0  # e.g. a decode point whose batch the KV pool could not hold
+    with pytest.raises(ValueError, match="not positive"):
+        fit_step_model(broken)
+
+
+def test_cpu_steps_times_only_decode_batches_the_pool_holds_at_once():
+    assert fits(16, 2048, 46_000) and not fits(32, 2048, 46_000)
+    assert fits(1, 4096, 46_000) and not fits(16, 4096, 46_000)
 
 
 def test_calibration_error_is_the_worst_relative_gap_and_nan_without_data():

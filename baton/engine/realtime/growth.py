@@ -17,7 +17,7 @@ replica's sessions; router/cliff.py turns that into a forecast.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from baton.engine.realtime.session import SessionState
 
@@ -25,10 +25,21 @@ POINTS = 5  # completed ticks kept per session (4 intervals)
 STALE_PERIODS = 3.0
 
 
-def retained_tokens(state: SessionState) -> int:
-    """Tokens whose KV the pool keeps for the session between ticks: an unbounded session's
-    history (its reply is not computed into the pool until the next tick); 0 for a bounded one."""
-    return len(state.history) if state.spec.mode == "unbounded" else 0
+def retained_tokens(state: SessionState, block_tokens: int = 0) -> int:
+    """Tokens whose KV the pool keeps for the session between ticks; 0 for a bounded one.
+
+    block_tokens = 0 (unknown): an unbounded session's whole history (the prompt of its last tick).
+    block_tokens = B: what the prefix cache really holds of it — whole blocks only. Its last tick
+    computed KV for the prompt and every reply token but the last (`pending` is that reply), and
+    vLLM keeps a finished request's full blocks, not its partial tail block:
+    ⌊(len(history) + len(pending) − 1) ÷ B⌋ · B. Counting whole histories instead overstates the
+    pool by about half a block per live session (a forecast that comes early)."""
+    if state.spec.mode != "unbounded":
+        return 0
+    if block_tokens <= 0 or not state.history:
+        return len(state.history)
+    computed = len(state.history) + max(0, len(state.pending) - 1)
+    return computed // block_tokens * block_tokens
 
 
 @dataclass(frozen=True)
@@ -51,9 +62,17 @@ class TokenGrowth:
 
 
 def session_growth(points: Sequence[tuple[float, int]], tick_s: float | None, now: float, opened_at: float,
-                   retains: bool = True) -> SessionGrowth:
+                   retains: bool = True, retained_now: int | None = None) -> SessionGrowth:
     """`points`: (completed_at, retained) of the session's last ticks, oldest first; `retains`:
-    whether the session keeps KV in the pool at all (False for bounded sessions: never warming)."""
+    whether the session keeps KV in the pool at all (False for bounded sessions: never warming);
+    `retained_now`: what the pool holds for it now (retained_tokens with the block size), reported
+    instead of the last point's figure — the rates still come from the points."""
+    g = _session_growth(points, tick_s, now, opened_at, retains)
+    return g if retained_now is None else replace(g, retained_tokens=retained_now)
+
+
+def _session_growth(points: Sequence[tuple[float, int]], tick_s: float | None, now: float, opened_at: float,
+                    retains: bool) -> SessionGrowth:
     if len(points) < 2:
         last = points[-1][0] if points else opened_at
         warming = retains and tick_s is not None and now - last <= STALE_PERIODS * tick_s

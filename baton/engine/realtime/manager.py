@@ -67,11 +67,14 @@ class RealtimeSessions:
         """Host memory held by bounded sessions' sink and window segments."""
         return sum(kv.nbytes for s in self._live.values() for kv in (s.state.sink_kv, s.state.window_kv) if kv is not None)
 
-    def token_growth(self, now: float | None = None) -> TokenGrowth:
-        """Retained tokens and growth rates of the live sessions (growth.py), at `now` (monotonic)."""
+    def token_growth(self, now: float | None = None, block_tokens: int | None = None) -> TokenGrowth:
+        """Retained tokens and growth rates of the live sessions (growth.py), at `now` (monotonic).
+        Retained tokens count whole KV blocks of the engine's pool (`block_tokens`, default the
+        engine's own; 0: whole histories, as the pool would hold them with one-token blocks)."""
         now = time.monotonic() if now is None else now
-        return total_growth(session_growth(tuple(s.completed), s.tick_s, now, s.opened_at, s.state.spec.mode == "unbounded")
-                            for s in self._live.values())
+        block = getattr(self._runner.stats, "kv_block_tokens", 0) if block_tokens is None else block_tokens
+        return total_growth(session_growth(tuple(s.completed), s.tick_s, now, s.opened_at, s.state.spec.mode == "unbounded",
+                                           retained_tokens(s.state, block)) for s in self._live.values())
 
     async def tick(self, msg: RealtimeTick) -> TickResult:
         live = self._live.get(msg.session_id)
