@@ -125,9 +125,17 @@ class Workload:
 # session; a probe of 20 sessions at P = 2 s took p50 2.2 s per tick), with the target at 0.75 P:
 # 4 sessions sit well under it, a step to 32 is far past it, and the cap, evaluated every P, can
 # climb from 4 to past the knee within the step. Whether it crosses, decreases and holds is measured.
-QUICK = Workload(sessions=20, ticks=18, start_every_s=1.5, period_s=8.0, deadline_s=8.0, sink_tokens=16,
+# On 2026-12-04, with the machine otherwise quiet (load average < 1), two runs of the earlier quick
+# workload (18 ticks; AIMD 4 -> 32 over 200 s) saw neither: unbounded p99 0.94-1.02 s, 0/20 collapsed
+# (saturation at ~100 s left 5 ticks past the wall, too few for the recompute to outgrow the core),
+# and 32 sessions at P = 2 s held p99 1.1 s, under the controller's 1.35 s, with the cap (34) above
+# the offered load: no decrease. With a step to 64 sessions over 300 s (120 s of step: room for the
+# cap, +1 per period, to climb past a knee above 32) the next run cut twice (a = 0.94); with 24 ticks
+# unbounded p99 rose to 5.5 s but still under D. Hence 30 ticks per session (histories reach ~3.5x
+# the pool, not ~2.1x: ~10 ticks past the wall).
+QUICK = Workload(sessions=20, ticks=30, start_every_s=1.5, period_s=8.0, deadline_s=8.0, sink_tokens=16,
                  window_tokens=256, max_tokens=4, kv_cache_gib=0.15, max_model_len=4096, grace_s=4.0,
-                 target_p99_ms=1500.0, aimd_s=200.0, aimd_ticks=8, aimd_period_s=2.0, aimd_low=4, aimd_high=32)
+                 target_p99_ms=1500.0, aimd_s=300.0, aimd_ticks=8, aimd_period_s=2.0, aimd_low=4, aimd_high=64)
 FULL = Workload(sessions=20, ticks=40, start_every_s=3.0, period_s=8.0, deadline_s=8.0, sink_tokens=16,
                 window_tokens=256, max_tokens=4, kv_cache_gib=0.4, max_model_len=8192, grace_s=4.0,
                 target_p99_ms=1500.0, aimd_s=300.0, aimd_ticks=10, aimd_period_s=2.0, aimd_low=4, aimd_high=40)
