@@ -25,7 +25,8 @@ Definitions (reported as measured, nothing simulated):
 - cliff: every SAMPLE_S the predictor forecasts from the sessions' token counts (retained history
   in whole KV blocks, growth = min(offered, served); RealtimeSessions.token_growth) the seconds until
   retained tokens reach SAT_RHO of the pool's capacity; side by side, the same forecast counting
-  whole histories (partial tail blocks as if held: `cliff.whole_history`, the ablation). Measured saturation t_sat: the first sample with ρ >= SAT_RHO.
+  whole histories (partial tail blocks as if held: `cliff.whole_history`, the ablation).
+  Measured saturation t_sat: the first sample with ρ >= SAT_RHO.
   Collapse onset: collapse.collapse_onset — the deadline of the first of DEFAULT_CONSECUTIVE (3)
   consecutive late-or-missing ticks of the engine, all sessions' ticks in scheduled-send order.
   Scored (cliff_score.score_cliff) at fits 25 / 50 / 75 % of the way from the first live sample to

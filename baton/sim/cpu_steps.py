@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from baton.engine.scheduler_stats import find_scheduler
+
 PREFILL_GRID = [(n, c) for c in (0, 1024, 3072) for n in (128, 512, 1024, 2048, 4096) if n + c < 8000]
 DECODE_GRID = [(b, c) for c in (256, 2048, 4096) for b in (1, 2, 4, 8, 16, 32)]
 DECODE_STEPS = 12
@@ -84,7 +86,7 @@ def fits(batch: int, context: int, capacity_tokens: int) -> bool:
 def time_decode(engine: Any, rng: random.Random, batch: int, context: int) -> float | None:
     """The median decode-step time of `batch` running sequences; None when the scheduler did not
     run all of them through the timed steps (the point is then left out, never timed short)."""
-    sched = engine.engine_core.engine_core.scheduler
+    sched = find_scheduler(engine)
     best = float("inf")
     for _ in range(REPEATS):
         _run(engine, [[rng.randrange(1000, 40000) for _ in range(context)] for _ in range(batch)], DECODE_STEPS + 8, "dec")
