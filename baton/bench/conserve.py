@@ -18,6 +18,9 @@ Method (README "Benchmarks" has the command and the figures):
   streamed chunks), TTFT p50/p95 and by turn index, failed conversations (a failed turn fails its
   conversation; its effective turns count +inf, never dropped: conserve_stats), KV handoffs per
   conversation from the decode engines' connectors, prefill turns that fell back to the decoder.
+- Step traces: every engine writes each step's time and batch shape under steps/r<rep>-<policy>/
+  (engine.step_trace_dir); `bench scale --calibrate ... --served-steps <this run>` fits the fleet
+  simulator's CPU step times on them (baton/sim/served_steps.py). Level windows are in "clock".
 - Headline: at the highest level at which colocated meets the TTFT SLO (TTFT_SLO_P95_S), or the
   lowest level, flagged slo_met=0, when none does."""
 from __future__ import annotations
@@ -65,8 +68,11 @@ def layout(policy: str) -> dict[str, Any]:
     return {"decode": {"engines": 2, "cpu_cores": [0, 1], "cpu_cores_per_replica": 1}}
 
 
-def pool_args(policy: str) -> dict[str, Any]:
-    engine = {"model": "SmolLM2-135M-Instruct", "max_model_len": 8192, "kv_cache_gib": 1.0}
+def pool_args(policy: str, step_trace_dir: Path | None = None) -> dict[str, Any]:
+    """The app's config for `policy`; step_trace_dir: where every engine writes its step trace."""
+    engine: dict[str, Any] = {"model": "SmolLM2-135M-Instruct", "max_model_len": 8192, "kv_cache_gib": 1.0}
+    if step_trace_dir is not None:
+        engine["step_trace_dir"] = str(step_trace_dir)
     args: dict[str, Any] = {"ingress": {"served_model_name": "SmolLM2-135M-Instruct"},
                             "routing": {"policy": policy, "ownership_db_path": ":memory:"}}
     for pool, spec in layout(policy).items():
@@ -119,18 +125,20 @@ def run_rep(rep: int, policy: str, levels: list[list[Any]], w: Workload, out_dir
     from baton.bench.cluster import LocalServeApp
 
     cells, rows = [], []
-    with LocalServeApp(pool_args(policy), resources={"prefill_slot": 1, "decode_slot": 2},
+    with LocalServeApp(pool_args(policy, out_dir / "steps" / f"r{rep}-{policy}"), resources={"prefill_slot": 1, "decode_slot": 2},
                        log_dir=out_dir / f"serve-r{rep}-{policy}") as app:
         before = _settled(app.url)
         for k, (convs, rate) in enumerate(zip(levels, w.rates, strict=True)):
             arrivals = poisson_arrivals(len(convs), rate, seed=w.seed * 1000 + rep * 10 + k)  # the same for every policy
+            began = time.time()
             runs, wall = asyncio.run(run_open_loop(convs, arrivals, app.url, think_s=w.think_s))
+            ended = time.time()
             after = _settled(app.url)
             delta = {name: after[name] - before[name] for name in after}
             before = after
             figs = level_figures(runs, kv_transfers=delta["transfers"])
             cells.append(Cell(rep, policy, rate, figs))
-            rows.append({"rate": rate, "wall_s": wall, "counters": delta, "figures": _figures_json(figs),
+            rows.append({"rate": rate, "wall_s": wall, "clock": [began, ended], "counters": delta, "figures": _figures_json(figs),
                          "conversations": [{"id": r.conversation_id, "failed": r.failed,
                                             "errors": [t.error for t in r.records if t.error]} for r in runs]})
             print(f"[conserve] rep {rep} {policy:14s} {rate:g}/s  TTFET p95 {fmt(figs.ttfet_p95_s)}  ITL p95 {fmt(figs.itl_p95_s)}  "

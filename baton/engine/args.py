@@ -31,6 +31,7 @@ class EngineSpec:
     simulated: SimulatedSpec | None = None
     cpu: CpuCores | None = None
     cores: tuple[int, ...] = ()
+    step_trace: tuple[str, str] | None = None  # (folder, role): write a step trace (baton/engine/step_trace.py)
 
     def pinned_to(self, cores: tuple[int, ...]) -> EngineSpec:
         """This spec on `cores`: torch/OMP threads = cpu_threads when set, else one per core."""
@@ -120,7 +121,8 @@ def build_engine_spec(
     if not on_gpu:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind
         env["OMP_NUM_THREADS"] = str(cfg.cpu_threads)
-    spec = EngineSpec(engine_kwargs=kwargs, env=env, model_path=model_path)
+    trace = (cfg.step_trace_dir, role) if cfg.step_trace_dir else None
+    spec = EngineSpec(engine_kwargs=kwargs, env=env, model_path=model_path, step_trace=trace)
     if on_gpu or not cpu_cores:
         return spec
     # cpu_threads counts only when the user wrote it; otherwise one torch thread per core
@@ -144,4 +146,5 @@ def simulated_engine_spec(cfg: EngineConfig, *, role: PoolRole, handoff: bool, m
         handoff=handoff,
         step_table_dir=table_dir(cache_root),
     )
-    return EngineSpec(engine_kwargs={}, env={}, model_path=model_path, simulated=sim)
+    trace = (cfg.step_trace_dir, role) if cfg.step_trace_dir else None
+    return EngineSpec(engine_kwargs={}, env={}, model_path=model_path, simulated=sim, step_trace=trace)

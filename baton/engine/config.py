@@ -51,6 +51,9 @@ class EngineConfig(BaseModel):
         "while the engine steps other requests (shorter ones on the engine thread, where writing costs less than the "
         "step the request would wait); null: all on the engine thread; 0: all on the loader thread")
     extra_engine_args: dict[str, Any] = Field(default_factory=dict, description="passed to EngineArgs unchanged")
+    step_trace_dir: str | None = Field(
+        None, description="write every engine step's wall time and batch shape as JSON lines, one file per engine, under "
+        "this folder (baton/engine/step_trace.py: what calibrates the fleet simulator); null: off")
     checkpoints: CheckpointConfig | None = Field(
         None, description="hybrid models only: recurrent-state checkpoints at planned positions (baton/engine/checkpoints/)"
     )

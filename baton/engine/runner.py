@@ -29,6 +29,7 @@ from baton.engine.args import EngineSpec
 from baton.engine.deltas import coalesce, delta_from_output
 from baton.engine.sampling import engine_inputs
 from baton.engine.scheduler_stats import find_scheduler, kv_capacity_tokens, none_running, scheduler_stats, wire_segment_scheduler
+from baton.engine.step_trace import StepTrace, open_step_trace
 from baton.engine.streams import Stream, StreamTable
 from baton.engine.types import (
     EngineRequestError,
@@ -221,17 +222,20 @@ class EngineRunner:
             shutdown_engine(engine)
             return
         reason = "engine shut down"
+        trace = open_step_trace(self._spec.step_trace, self._scheduler, self._kv_capacity_tokens)
         try:
             self._publish_stats(0)
-            self._loop(engine)
+            self._loop(engine, trace)
         except BaseException as e:  # the engine is dead: fail every stream
             logger.exception("engine step failed; engine marked unhealthy")
             reason = f"engine failed: {type(e).__name__}: {e}"
         finally:
             self._stop(reason)
+            if trace is not None:
+                trace.close()
             shutdown_engine(engine)
 
-    def _loop(self, engine: Any) -> None:
+    def _loop(self, engine: Any, trace: StepTrace | None) -> None:
         steps = 0
         while True:
             busy = engine.has_unfinished_requests()
@@ -246,7 +250,7 @@ class EngineRunner:
                 return
             holding = self._scheduler is not None and self._scheduler.has_requests()
             if engine.has_unfinished_requests() or holding:
-                outputs = engine.step()
+                outputs = trace.step(engine) if trace is not None else engine.step()
                 steps += 1
                 self._dispatch(outputs)
             self._publish_stats(steps)

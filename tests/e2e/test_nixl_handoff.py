@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import threading
@@ -61,7 +62,7 @@ PROMPT_BLOCKS = 3  # full blocks before the prompt's last token: N = 3 × 128 + 
 
 
 # ---- the engine process (spawned: imports vLLM only here) -------------------------------------
-def _engine_process(conn: Connection, role: str) -> None:
+def _engine_process(conn: Connection, role: str, trace_dir: str) -> None:
     """Build one engine with the counting NIXL connector, then answer commands until 'stop'."""
     try:
         from baton.engine.args import build_engine_spec
@@ -70,7 +71,7 @@ def _engine_process(conn: Connection, role: str) -> None:
         from kv_transfer.ledger import process_ledger
         from kv_transfer.nixl import nixl_kv_transfer_config, side_channel_env
 
-        cfg = EngineConfig(model=str(MODEL_DIR), max_model_len=2048, kv_cache_gib=0.25, max_num_seqs=4)
+        cfg = EngineConfig(model=str(MODEL_DIR), max_model_len=2048, kv_cache_gib=0.25, max_num_seqs=4, step_trace_dir=trace_dir)
         spec = build_engine_spec(
             cfg, role=role, handoff=False, model_path=str(MODEL_DIR), on_gpu=False, cache_root=str(ROOT / ".cache")  # type: ignore[arg-type]
         )
@@ -146,11 +147,11 @@ async def _collect(runner: Any, req: GenerationRequest) -> dict[str, Any]:
 
 # ---- the parent's handle on one engine process ------------------------------------------------
 class EngineProcess:
-    def __init__(self, role: str):
+    def __init__(self, role: str, trace_dir: Path):
         ctx = mp.get_context("spawn")
         self.role = role
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_engine_process, args=(child, role), name=f"nixl-{role}", daemon=True)
+        self._proc = ctx.Process(target=_engine_process, args=(child, role, str(trace_dir)), name=f"nixl-{role}", daemon=True)
         self._proc.start()
         child.close()
         self.process_cpus: list[int] = []
@@ -216,6 +217,7 @@ class Handoff:
     engine_thread_cpus: dict[str, list[int]]
     idle_thread_load: dict[str, dict[int, tuple[float, int]]]
     process_cpus: dict[str, list[int]]
+    step_traces: dict[str, list[dict[str, Any]]]  # role -> its engine's step trace (header first), read after stop
 
 
 def _chat_prompts() -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -244,10 +246,11 @@ def _closed_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def handoff() -> Any:
+def handoff(tmp_path_factory: pytest.TempPathFactory) -> Any:
     if not (MODEL_DIR / "config.json").exists():
         pytest.fail(f"model not provisioned at {MODEL_DIR}: run `make setup` (scripts/setup.sh)")
-    engines = {role: EngineProcess(role) for role in ("prefill", "decode")}  # both start at once
+    trace_dir = tmp_path_factory.mktemp("step-trace")
+    engines = {role: EngineProcess(role, trace_dir) for role in ("prefill", "decode")}  # both start at once
     try:
         prompt, follow_up, other_prompt = _chat_prompts()
         for e in engines.values():
@@ -275,7 +278,7 @@ def handoff() -> Any:
         fallback = d.generate(GenerationRequest("from-gone-engine", other_prompt, greedy, kv_transfer_params=gone))
         d_after_failure, d_records_after_failure = d.ledger()
 
-        yield Handoff(
+        result = dict(
             prompt_ids=prompt, local=local, prefill=prefill, decode=decode,
             d_after_decode=d_after_decode, d_records=d_records,
             turn2_ids=turn2_ids, turn2=turn2, d_after_turn2=d_after_turn2,
@@ -288,6 +291,9 @@ def handoff() -> Any:
     finally:
         for e in engines.values():
             e.stop()
+    traces = {role: [json.loads(line) for f in sorted(trace_dir.glob(f"{role}-*.jsonl")) for line in f.read_text().splitlines()]
+              for role in engines}
+    yield Handoff(**result, step_traces=traces)
 
 
 def _settled_producer_ledger(p: EngineProcess, wait_s: float = 3.0) -> TransferTotals:
@@ -374,3 +380,23 @@ def test_the_prefill_engine_releases_served_kv_without_a_new_request(handoff: Ha
 def test_the_engine_thread_may_use_every_core_of_its_process(handoff: Handoff) -> None:
     for role in ("prefill", "decode"):
         assert handoff.engine_thread_cpus[role] == handoff.process_cpus[role], role
+
+
+
+def test_the_step_traces_count_pulled_and_cached_kv_as_context_never_as_work(handoff: Handoff) -> None:
+    """engine.step_trace_dir: each engine's steps with their batch shape, read from vLLM's own
+    scheduler output (what calibrates the fleet simulator, baton/sim/served_steps.py)."""
+    n, cached = len(handoff.prompt_ids), (len(handoff.prompt_ids) // BLOCK) * BLOCK
+    for role, rows in handoff.step_traces.items():
+        header, steps = rows[0]["engine"], rows[1:]
+        assert (header["role"], header["block_size"], header["max_num_seqs"]) == (role, BLOCK, 4)
+        assert steps and all(s["s"] > 0 for s in steps), role
+        assert [s["t"] for s in steps] == sorted(s["t"] for s in steps), role
+    prefill = handoff.step_traces["prefill"][1:]
+    assert prefill[0]["p"] == [[n, 0]] and prefill[0]["d"] == []  # the whole prompt, one chunk
+    decode = handoff.step_traces["decode"][1:]
+    # D computes only the prompt's last token over the N-1 pulled positions, then decodes
+    assert [s["d"] for s in decode[:REPLY_TOKENS]] == [[n - 1 + i] for i in range(REPLY_TOKENS)]
+    assert all(s["p"] == [] for s in decode[:REPLY_TOKENS])
+    # turn 2 prefills only what D's prefix cache lacks
+    assert decode[REPLY_TOKENS]["p"] == [[len(handoff.turn2_ids) - cached, cached]]

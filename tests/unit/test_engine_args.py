@@ -285,3 +285,9 @@ def test_project_path() -> None:
 def test_build_app_reports_a_missing_model_as_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"decode\.engine\.model: .*'absent'.*setup"):
         build_app({"model_cache": str(tmp_path), "prefill": {"engine": {"model": "absent"}}, "decode": {"engine": {"model": "absent"}}})
+
+
+def test_a_step_trace_is_off_unless_a_folder_is_named_and_then_knows_its_pool() -> None:
+    assert spec_of().step_trace is None
+    assert spec_of(EngineConfig(model="m", step_trace_dir="/tmp/steps"), role="prefill").step_trace == ("/tmp/steps", "prefill")
+    assert "step_trace_dir" not in spec_of(EngineConfig(model="m", step_trace_dir="/tmp/steps")).engine_kwargs
