@@ -30,6 +30,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--offline", action="store_true", help="checkpoints only: the simulator part, no engine")
     p.add_argument("--calibrate", type=Path, default=None, help="scale only: a `bench conserve` conserve.json to calibrate against")
     p.add_argument("--cpu-steps", type=Path, default=None, help="scale only: CPU engine step times (python -m baton.sim.cpu_steps)")
+    p.add_argument("--served-steps", type=Path, default=None,
+                   help="scale only: a `bench conserve` run dir whose engines' step traces time the calibration (instead of --cpu-steps)")
     p.add_argument("--replicas-json", type=Path, default=None, help="scale only: the control-plane measurement ({\"max_replicas\": n})")
     p.add_argument("--out", type=Path, default=None, help="output dir (default ./runs/bench-<name>-<timestamp>, relative to where you run it)")
     p.set_defaults(func=run_bench)
@@ -45,12 +47,13 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.name != "checkpoints":
             raise SystemExit("--offline is only for `baton bench checkpoints`")
         extra["offline"] = True
-    scale_only = {k: getattr(args, k, None) for k in ("calibrate", "cpu_steps", "replicas_json")}
+    scale_only = {k: getattr(args, k, None) for k in ("calibrate", "cpu_steps", "served_steps", "replicas_json")}
     if any(v is not None for v in scale_only.values()):
         if args.name != "scale":
-            raise SystemExit("--calibrate, --cpu-steps and --replicas-json are only for `baton bench scale`")
-        if (scale_only["calibrate"] is None) != (scale_only["cpu_steps"] is None):
-            raise SystemExit("--calibrate and --cpu-steps go together")
+            raise SystemExit("--calibrate, --cpu-steps, --served-steps and --replicas-json are only for `baton bench scale`")
+        sources = sum(scale_only[k] is not None for k in ("cpu_steps", "served_steps"))
+        if (scale_only["calibrate"] is not None) != (sources == 1) or sources > 1:
+            raise SystemExit("--calibrate takes exactly one of --cpu-steps or --served-steps")
         extra.update({k: v for k, v in scale_only.items() if v is not None})
     importlib.import_module(BENCHMARKS[args.name]).run(quick=args.quick, out_dir=out, **extra)
     return 0

@@ -2,8 +2,9 @@
 (baton/traces/samples/agentic_small.jsonl, BFCL tool-use conversations whose system prompts are
 shared by several conversations) with its conversations spread over several users, replayed once
 under `isolation.prefix_cache: tenant` and once under `shared`, one after the other in one run,
-each on a fresh local cluster (1 prefill + 2 decode engines, conversation routing: first turns
-prefilled on the prefill engine and handed to a decoder over NIXL).
+each on a fresh local cluster (conserve's layout: 1 prefill engine on core 0 and 1 decode engine
+on core 1, conversation routing: first turns prefilled on the prefill engine and handed to the
+decoder over NIXL).
 
 Figures per scope: cached fraction (usage cached_tokens / prompt_tokens over every turn, and over
 first turns only, where cross-user system-prompt reuse shows), TTFT p50/p95 (all turns and first
@@ -88,12 +89,18 @@ def probe(url: str, conv: Any, user: str) -> dict[str, int]:
     return {"prompt_tokens": int(use["prompt_tokens"]), "cached_tokens": int((use.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)}
 
 
+def scope_args(scope: str) -> dict[str, Any]:
+    """The app's config for one scope: conserve's conversation layout, isolation set to `scope`."""
+    from baton.bench.conserve import pool_args
+
+    return {**pool_args("conversation"), "isolation": {"prefix_cache": scope}}
+
+
 def run_scope(scope: str, convs: list[Any], w: Workload, out_dir: Path) -> dict[str, Any]:
     from baton.bench.cluster import LocalServeApp
-    from baton.bench.conserve import pool_args
     from baton.traces.replay import replay
 
-    args = {**pool_args("conversation", engines=3), "isolation": {"prefix_cache": scope}}
+    args = scope_args(scope)
     with LocalServeApp(args, resources={"prefill_slot": 1, "decode_slot": 2}, log_dir=out_dir / f"serve-{scope}") as app:
         result = asyncio.run(replay(convs, app.url, w.concurrency, progress=False))
         stranger = probe(app.url, convs[0], f"probe-{uuid.uuid4().hex[:8]}")

@@ -1,6 +1,6 @@
 """Fleet projection (issue 16): Baton's routing policies on simulated GPU fleets of 8 to 512 GPUs.
 
-`baton bench scale [--quick] [--calibrate conserve.json --cpu-steps steps.json] [--replicas-json r.json]`
+`baton bench scale [--quick] [--calibrate conserve.json (--cpu-steps steps.json | --served-steps <conserve run>)] [--replicas-json r.json]`
 
 Method (README "Fleet projection" has the assumptions and their sources):
 - engines: baton/sim/engine.py (baton/engine/simulated's vLLM-shaped scheduler in simulated time,
@@ -112,9 +112,20 @@ def _fmt(x: float | None) -> str:
 
 
 def run(quick: bool, out_dir: Path, calibrate: Path | None = None, cpu_steps: Path | None = None,
-        replicas_json: Path | None = None) -> dict[str, Any]:
+        served_steps: Path | None = None, replicas_json: Path | None = None) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    calibration: dict[str, Any] | None = None
+    if calibrate is not None:  # first: a bad calibration input fails before the fleet runs
+        from baton.sim.calibrate import run_calibration
+
+        calibration = run_calibration(calibrate, steps_json=cpu_steps, served_steps=served_steps)
+        print(f"[scale] calibration at {calibration['rate']:g} conv/s ({calibration['step_source']['kind']}): "
+              f"measured {calibration['measured']} simulated {calibration['simulated']}", flush=True)
+        error = float(calibration["calibration_error"])
+    else:
+        error = float("nan")
+        print("[scale] no calibration data (--calibrate conserve.json --cpu-steps/--served-steps): calibration_error=nan")
     cells: list[dict[str, Any]] = []
     for spec in plan(quick):
         cell = run_cell(spec)
@@ -123,16 +134,6 @@ def run(quick: bool, out_dir: Path, calibrate: Path | None = None, cpu_steps: Pa
         print(f"[scale] {spec.workload:8s} {spec.gpus:4d} GPUs {spec.policy:14s} {spec.tiers:6s} conv {f['conversations']:5d} "
               f"good {f['goodput_fraction']:.3f}  TTFET p95 {_fmt(f['ttfet_p95_s'])} s  KV moved {cell['kv_bytes_moved'] / 1e9:.1f} GB  "
               f"E/conv {cell['energy_per_conversation_j'] / 1e3:.2f} kJ  util {cell['utilization']:.2f}  cpu {cell['cpu_s']:.1f}s", flush=True)
-    calibration: dict[str, Any] | None = None
-    if calibrate is not None and cpu_steps is not None:
-        from baton.sim.calibrate import run_calibration
-
-        calibration = run_calibration(calibrate, cpu_steps)
-        print(f"[scale] calibration at {calibration['rate']:g} conv/s: measured {calibration['measured']} simulated {calibration['simulated']}")
-        error = float(calibration["calibration_error"])
-    else:
-        error = float("nan")
-        print("[scale] no calibration data (--calibrate conserve.json --cpu-steps steps.json): calibration_error=nan")
     max_replicas = None
     if replicas_json is not None:
         max_replicas = int(json.loads(replicas_json.read_text())["max_replicas"])

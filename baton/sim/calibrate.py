@@ -2,7 +2,10 @@
 step-time model fitted on real vLLM CPU engines (cpu_steps.py measures them), compared with the
 per-policy TTFET that `bench conserve` measured.
 
-Step-time model (least squares over the measured grid, `--cpu-steps steps.json`):
+Step-time model, fitted by least squares on one of two sources: the grid an engine timed alone
+measured (`--cpu-steps steps.json`), or the steps of conserve's own served engines from their step
+traces (`--served-steps <conserve run dir>`, served_steps.py: contention with the serving stack
+included, the scored level held out when it is the same run):
     prefill chunk of n new tokens after c in KV:  p0 + p1·n + p2·n·(c + n/2)   (linear work + attention)
     decode step of b sequences at mean context c: d0 + d1·b + d2·b·c
     a mixed step: the prefill part + the decode part without its d0 (one step's fixed cost, once)
@@ -149,14 +152,28 @@ def token_counter() -> Callable[[str], int]:
         return lambda text: max(1, len(text) // 4)
 
 
-def run_calibration(conserve_json: Path, steps_json: Path) -> dict[str, Any]:
+def run_calibration(conserve_json: Path, steps_json: Path | None = None, served_steps: Path | None = None) -> dict[str, Any]:
+    """Calibrate against conserve_json with a step model from exactly one source: `steps_json`
+    (cpu_steps.py, an engine timed alone) or `served_steps` (a `bench conserve` run dir with step
+    traces, served_steps.py; when it is conserve_json's own run, the steps of the scored level are
+    held out of the fit)."""
     from baton.bench.conserve import Workload, build_trace
 
+    if (steps_json is None) == (served_steps is None):
+        raise ValueError("calibrate with exactly one of steps_json (cpu_steps) or served_steps (a traced conserve run)")
     conserve = json.loads(conserve_json.read_text())
-    steps = json.loads(steps_json.read_text())
-    model = fit_step_model(steps)
     rate, measured = measured_ttfets(conserve)
+    if steps_json is not None:
+        steps = json.loads(steps_json.read_text())
+        model, engine, source = fit_step_model(steps), steps["engine"], {"kind": "cpu_steps", "source": str(steps_json)}
+    else:
+        from baton.sim.served_steps import level_windows, served_step_model
+
+        same_run = served_steps.resolve() == conserve_json.parent.resolve()
+        held = level_windows(conserve, rate) if same_run else []
+        model, engine, report = served_step_model(served_steps, held)
+        source = {"kind": "served_steps", "same_run_as_scored": same_run, **report}
     trace = build_trace(Workload(**{**conserve["workload"], "rates": tuple(conserve["workload"]["rates"])}))
-    sim = simulate_conserve(conserve, model, steps["engine"], token_counter(), trace, sorted(measured))
+    sim = simulate_conserve(conserve, model, engine, token_counter(), trace, sorted(measured))
     return {"rate": rate, "measured": measured, "simulated": sim, "step_model": {"prefill": model.prefill, "decode": model.decode},
-            "calibration_error": calibration_error(sim, measured)}
+            "step_source": source, "calibration_error": calibration_error(sim, measured)}

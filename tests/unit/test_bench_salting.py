@@ -13,6 +13,15 @@ def test_the_bench_is_registered() -> None:
     assert commands.BENCHMARKS["salting"] == "baton.bench.salting"
 
 
+@pytest.mark.parametrize("scope", ["tenant", "shared"])
+def test_each_scope_runs_a_valid_app_config(scope: str) -> None:
+    from deployments.config import load_app_config
+
+    cfg = load_app_config(salting.scope_args(scope))
+    assert cfg.isolation.prefix_cache == scope and cfg.routing.policy == "conversation"
+    assert cfg.prefill is not None and cfg.prefill.num_replicas == 1 and cfg.decode.num_replicas == 1
+
+
 def test_the_trace_is_spread_over_users_with_its_turns_capped() -> None:
     trace = load_trace(salting.TRACE)
     w = salting.Workload(users=3, max_turns=2, max_tokens=16, concurrency=3)

@@ -1,0 +1,120 @@
+"""baton/sim/served_steps.py: the calibration's step model fitted on served engines' step traces."""
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from baton.sim import served_steps as ss
+from baton.sim.calibrate import CpuStepModel, run_calibration
+
+TRUE = CpuStepModel(prefill=(0.012, 3e-4, 2e-8), decode=(0.04, 6e-4, 2e-6))
+HEADER = {"engine": {"role": "decode", "block_size": 16, "kv_capacity_tokens": 46592, "max_num_seqs": 256,
+                     "max_num_batched_tokens": 4096}}
+
+
+def synthetic_steps(n: int, seed: int, t0: float = 1000.0) -> list[ss.Step]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        decodes = tuple(rng.randrange(100, 4000) for _ in range(rng.randrange(0, 9)))
+        prefills = tuple((rng.randrange(2, 2048), rng.randrange(0, 3000)) for _ in range(rng.randrange(0, 2))) if i % 3 == 0 else ()
+        if not decodes and not prefills:
+            decodes = (rng.randrange(100, 4000),)
+        s = ss.Step(t0 + i * 0.05, 0.0, prefills, decodes)
+        out.append(ss.Step(s.t, ss.predict(TRUE, s), prefills, decodes))
+    return out
+
+
+def write_trace(path: Path, steps: list[ss.Step], gaps: list[float | None] | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    gaps = gaps or [None] * len(steps)
+    lines = [json.dumps(HEADER)] + [json.dumps({"t": s.t, "s": s.seconds, "g": g, "p": [list(c) for c in s.prefills],
+                                                "d": list(s.decodes)}) for s, g in zip(steps, gaps, strict=True)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_the_fit_recovers_the_model_the_steps_were_timed_by():
+    fit = ss.fit(synthetic_steps(400, seed=1))
+    for got, want in zip(fit.prefill + fit.decode, TRUE.prefill + TRUE.decode, strict=True):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-12)
+    held = synthetic_steps(100, seed=2)
+    assert ss.summed_error(fit, held) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_no_coefficient_goes_negative_and_the_form_matches_the_simulators_engine():
+    from baton.engine.simulated.timing import PrefillChunk, StepBatch
+
+    # decode steps whose time does not grow with context: a free fit would put d2 slightly below 0
+    steps = [ss.Step(i, 0.03 + 0.001 * len(d) - 1e-9 * sum(d), (), d) for i, d in enumerate([(500,), (3000,), (500, 3000), (3500,) * 4])]
+    steps.append(ss.Step(9, 0.2, ((512, 0),), ()))
+    fit = ss.fit(steps)
+    assert all(x >= 0 for x in fit.prefill + fit.decode)
+    probe = ss.Step(0, 0, ((256, 100),), (800, 900))
+    assert fit.step_time(StepBatch((PrefillChunk(256, 100),), (800, 900))).seconds == pytest.approx(ss.predict(fit, probe))
+
+
+def test_a_fit_without_both_kinds_of_step_is_refused():
+    decode_only = [s for s in synthetic_steps(60, seed=3) if not s.prefills]
+    with pytest.raises(ValueError, match="prefill and decode-only"):
+        ss.fit(decode_only)
+
+
+def test_a_trace_counts_loop_gaps_as_cost_but_not_idle_waits_and_skips_a_cut_line(tmp_path: Path):
+    steps = synthetic_steps(3, seed=4)
+    f = tmp_path / "steps" / "r0-conversation" / "decode-1.jsonl"
+    write_trace(f, steps, gaps=[None, 0.004, 2.5])
+    with f.open("a") as fh:
+        fh.write('{"t": 12')  # the engine was killed mid-line
+    header, got = ss.read_trace(f)
+    assert header["kv_capacity_tokens"] == 46592
+    assert [g.seconds for g in got] == pytest.approx([steps[0].seconds, steps[1].seconds + 0.004, steps[2].seconds])
+
+
+def test_loading_a_run_needs_traces_of_one_engine_shape(tmp_path: Path):
+    with pytest.raises(ValueError, match="no step traces"):
+        ss.load_served_steps(tmp_path)
+    write_trace(tmp_path / "steps" / "r0-colocated" / "decode-1.jsonl", synthetic_steps(5, seed=5))
+    (tmp_path / "steps" / "r0-colocated" / "decode-2.jsonl").write_text('{"t": 1, "s": 0.1}\n')
+    with pytest.raises(ValueError, match="not a step trace"):
+        ss.load_served_steps(tmp_path)
+    other = {"engine": {**HEADER["engine"], "kv_capacity_tokens": 1000}}
+    (tmp_path / "steps" / "r0-colocated" / "decode-2.jsonl").write_text(json.dumps(other) + "\n")
+    with pytest.raises(ValueError, match="differ in shape"):
+        ss.load_served_steps(tmp_path)
+
+
+def test_the_scored_level_is_held_out_of_the_fit(tmp_path: Path):
+    light = synthetic_steps(200, seed=6, t0=1000.0)
+    heavy = [ss.Step(s.t, s.seconds * 1.5, s.prefills, s.decodes) for s in synthetic_steps(200, seed=7, t0=2000.0)]  # contention
+    write_trace(tmp_path / "steps" / "r0-conversation" / "decode-1.jsonl", light + heavy)
+    conserve = {"reps": [{"levels": [{"rate": 0.3, "clock": [999.0, 1100.0]}, {"rate": 1.2, "clock": [1999.0, 2100.0]}]}]}
+    windows = ss.level_windows(conserve, 1.2)
+    assert windows == [(1999.0, 2100.0)]
+    model, engine, report = ss.served_step_model(tmp_path, windows)
+    assert engine["kv_capacity_tokens"] == 46592 and engine["bytes_per_token"] == 23_040
+    assert report["fit_on"]["steps"] == 200 and report["held_out"]["steps"] == 200
+    assert report["fit_error"] == pytest.approx(0.0, abs=1e-9)
+    assert report["held_out_error"] == pytest.approx(1 / 3, rel=1e-6)  # fitted on the light level, it misses the heavy one
+
+
+def test_run_calibration_takes_exactly_one_step_source(tmp_path: Path):
+    with pytest.raises(ValueError, match="exactly one"):
+        run_calibration(tmp_path / "conserve.json")
+    with pytest.raises(ValueError, match="exactly one"):
+        run_calibration(tmp_path / "conserve.json", steps_json=tmp_path / "s.json", served_steps=tmp_path)
+    assert math.isnan(ss.summed_error(TRUE, []))
+
+
+@pytest.mark.parametrize("given", [{"calibrate": Path("c.json")}, {"cpu_steps": Path("s.json")}, {"served_steps": Path("run")},
+                                   {"calibrate": Path("c.json"), "cpu_steps": Path("s.json"), "served_steps": Path("run")}])
+def test_bench_scale_calibrates_with_exactly_one_step_source(given: dict):
+    import argparse
+
+    from baton.bench import commands
+
+    args = argparse.Namespace(name="scale", quick=True, offline=False, out=Path("unused"), replicas_json=None,
+                              **{"calibrate": None, "cpu_steps": None, "served_steps": None, **given})
+    with pytest.raises(SystemExit, match="exactly one of --cpu-steps or --served-steps"):
+        commands.run_bench(args)
