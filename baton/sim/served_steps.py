@@ -20,6 +20,7 @@ Held out: the steps inside the time windows of the load levels being scored ("cl
 in conserve.json) are left out of the fit and only used to check it (`held_out_error`: |Σ predicted
 − Σ observed| / Σ observed over those steps).
 """
+
 from __future__ import annotations
 
 import json
@@ -91,8 +92,12 @@ def load_served_steps(run_dir: Path) -> ServedSteps:
 
 def level_windows(conserve: dict[str, Any], rate: float) -> list[tuple[float, float]]:
     """The (began, ended) wall-clock windows of every repetition's level at `rate`."""
-    return [(float(lv["clock"][0]), float(lv["clock"][1])) for rep in conserve.get("reps", ()) for lv in rep["levels"]
-            if float(lv["rate"]) == rate and "clock" in lv]
+    return [
+        (float(lv["clock"][0]), float(lv["clock"][1]))
+        for rep in conserve.get("reps", ())
+        for lv in rep["levels"]
+        if float(lv["rate"]) == rate and "clock" in lv
+    ]
 
 
 def split(steps: Sequence[Step], windows: Sequence[tuple[float, float]]) -> tuple[list[Step], list[Step]]:
@@ -105,8 +110,14 @@ def split(steps: Sequence[Step], windows: Sequence[tuple[float, float]]) -> tupl
 def features(s: Step) -> list[float]:
     """[has prefill, decode only, Σn, Σn(c + n/2), decodes, Σ decode contexts] — columns for p0 d0 p1 p2 d1 d2."""
     mixed = 1.0 if s.prefills else 0.0
-    return [mixed, 1.0 - mixed, float(sum(n for n, _ in s.prefills)), float(sum(n * (c + n / 2) for n, c in s.prefills)),
-            float(len(s.decodes)), float(sum(s.decodes))]
+    return [
+        mixed,
+        1.0 - mixed,
+        float(sum(n for n, _ in s.prefills)),
+        float(sum(n * (c + n / 2) for n, c in s.prefills)),
+        float(len(s.decodes)),
+        float(sum(s.decodes)),
+    ]
 
 
 def nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -150,9 +161,13 @@ def summed_error(model: CpuStepModel, steps: Sequence[Step]) -> float:
 def describe(steps: Sequence[Step]) -> dict[str, Any]:
     decodes = [s for s in steps if not s.prefills]
     one = [s.seconds for s in decodes if len(s.decodes) == 1]
-    return {"steps": len(steps), "with_prefill": len(steps) - len(decodes), "decode_only": len(decodes),
-            "decode_batch_mean": statistics.fmean(len(s.decodes) for s in decodes) if decodes else None,
-            "decode_batch1_p50_ms": statistics.median(one) * 1e3 if one else None}
+    return {
+        "steps": len(steps),
+        "with_prefill": len(steps) - len(decodes),
+        "decode_only": len(decodes),
+        "decode_batch_mean": statistics.fmean(len(s.decodes) for s in decodes) if decodes else None,
+        "decode_batch1_p50_ms": statistics.median(one) * 1e3 if one else None,
+    }
 
 
 def served_step_model(run_dir: Path, held_out: Sequence[tuple[float, float]]) -> tuple[CpuStepModel, dict[str, Any], dict[str, Any]]:
@@ -160,7 +175,13 @@ def served_step_model(run_dir: Path, held_out: Sequence[tuple[float, float]]) ->
     served = load_served_steps(run_dir)
     train, test = split(served.steps, held_out)
     model = fit(train)
-    report = {"source": str(run_dir), "files": served.files, "fit_on": describe(train), "held_out": describe(test),
-              "fit_error": summed_error(model, train), "held_out_error": summed_error(model, test) if test else None,
-              "gap_max_s": GAP_MAX_S}
+    report = {
+        "source": str(run_dir),
+        "files": served.files,
+        "fit_on": describe(train),
+        "held_out": describe(test),
+        "fit_error": summed_error(model, train),
+        "held_out_error": summed_error(model, test) if test else None,
+        "gap_max_s": GAP_MAX_S,
+    }
     return model, served.engine, report

@@ -1,4 +1,5 @@
 """baton/sim/served_steps.py: the calibration's step model fitted on served engines' step traces."""
+
 import json
 import math
 import random
@@ -10,8 +11,7 @@ from baton.sim import served_steps as ss
 from baton.sim.calibrate import CpuStepModel, run_calibration
 
 TRUE = CpuStepModel(prefill=(0.012, 3e-4, 2e-8), decode=(0.04, 6e-4, 2e-6))
-HEADER = {"engine": {"role": "decode", "block_size": 16, "kv_capacity_tokens": 46592, "max_num_seqs": 256,
-                     "max_num_batched_tokens": 4096}}
+HEADER = {"engine": {"role": "decode", "block_size": 16, "kv_capacity_tokens": 46592, "max_num_seqs": 256, "max_num_batched_tokens": 4096}}
 
 
 def synthetic_steps(n: int, seed: int, t0: float = 1000.0) -> list[ss.Step]:
@@ -30,8 +30,9 @@ def synthetic_steps(n: int, seed: int, t0: float = 1000.0) -> list[ss.Step]:
 def write_trace(path: Path, steps: list[ss.Step], gaps: list[float | None] | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     gaps = gaps or [None] * len(steps)
-    lines = [json.dumps(HEADER)] + [json.dumps({"t": s.t, "s": s.seconds, "g": g, "p": [list(c) for c in s.prefills],
-                                                "d": list(s.decodes)}) for s, g in zip(steps, gaps, strict=True)]
+    lines = [json.dumps(HEADER)] + [
+        json.dumps({"t": s.t, "s": s.seconds, "g": g, "p": [list(c) for c in s.prefills], "d": list(s.decodes)}) for s, g in zip(steps, gaps, strict=True)
+    ]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -107,14 +108,22 @@ def test_run_calibration_takes_exactly_one_step_source(tmp_path: Path):
     assert math.isnan(ss.summed_error(TRUE, []))
 
 
-@pytest.mark.parametrize("given", [{"calibrate": Path("c.json")}, {"cpu_steps": Path("s.json")}, {"served_steps": Path("run")},
-                                   {"calibrate": Path("c.json"), "cpu_steps": Path("s.json"), "served_steps": Path("run")}])
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"calibrate": Path("c.json")},
+        {"cpu_steps": Path("s.json")},
+        {"served_steps": Path("run")},
+        {"calibrate": Path("c.json"), "cpu_steps": Path("s.json"), "served_steps": Path("run")},
+    ],
+)
 def test_bench_scale_calibrates_with_exactly_one_step_source(given: dict):
     import argparse
 
     from baton.bench import commands
 
-    args = argparse.Namespace(name="scale", quick=True, offline=False, out=Path("unused"), replicas_json=None,
-                              **{"calibrate": None, "cpu_steps": None, "served_steps": None, **given})
+    args = argparse.Namespace(
+        name="scale", quick=True, offline=False, out=Path("unused"), replicas_json=None, **{"calibrate": None, "cpu_steps": None, "served_steps": None, **given}
+    )
     with pytest.raises(SystemExit, match="exactly one of --cpu-steps or --served-steps"):
         commands.run_bench(args)
