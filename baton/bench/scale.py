@@ -122,6 +122,12 @@ def run(quick: bool, out_dir: Path, calibrate: Path | None = None, cpu_steps: Pa
         calibration = run_calibration(calibrate, steps_json=cpu_steps, served_steps=served_steps)
         print(f"[scale] calibration at {calibration['rate']:g} conv/s ({calibration['step_source']['kind']}): "
               f"measured {calibration['measured']} simulated {calibration['simulated']}", flush=True)
+        print(f"[scale] calibration_error {calibration['calibration_error']:.3f}; at the other levels "
+              f"{calibration['calibration_error_other_levels']}", flush=True)
+        src = calibration["step_source"]
+        if src["kind"] == "served_steps":
+            print(f"[scale] served step model: fit on {src['fit_on']['steps']} steps (per-step error {src['fit_step_error']:.3f}), "
+                  f"held out {src['held_out']['steps']} (bias {src['held_out_error']}, per-step {src['held_out_step_error']})", flush=True)
         error = float(calibration["calibration_error"])
     else:
         error = float("nan")

@@ -22,6 +22,7 @@ max_tokens long (SmolLM2 may stop earlier: the simulator's TTFET is then an uppe
 calibration_error = max over policies and over {p50, p95} of |sim − measured| / measured, at
 conserve's headline load level (its JSON's "headline"."rate").
 """
+
 from __future__ import annotations
 
 import json
@@ -79,14 +80,15 @@ def fit_step_model(steps: dict[str, Any]) -> CpuStepModel:
 def calibration_error(sim: dict[str, dict[str, float]], measured: dict[str, dict[str, float]]) -> float:
     """max over policies and figures of |sim − measured| / measured; nan when nothing compares.
     sim/measured: policy -> {"ttfet_p50_s": x, "ttfet_p95_s": y}."""
-    errors = [abs(sim[p][k] - m) / m for p, figs in measured.items() if p in sim for k, m in figs.items()
-              if k in sim[p] and m not in (None, 0) and m != float("inf")]
+    errors = [
+        abs(sim[p][k] - m) / m for p, figs in measured.items() if p in sim for k, m in figs.items() if k in sim[p] and m not in (None, 0) and m != float("inf")
+    ]
     return max(errors) if errors else float("nan")
 
 
-def measured_ttfets(conserve: dict[str, Any]) -> tuple[float, dict[str, dict[str, float]]]:
-    """(rate, policy -> {ttfet_p50_s, ttfet_p95_s}) from conserve.json at its headline rate."""
-    rate = float(conserve["headline"]["rate"])
+def measured_ttfets(conserve: dict[str, Any], rate: float | None = None) -> tuple[float, dict[str, dict[str, float]]]:
+    """(rate, policy -> {ttfet_p50_s, ttfet_p95_s}) from conserve.json at `rate` (default: its headline rate)."""
+    rate = float(conserve["headline"]["rate"]) if rate is None else float(rate)
     key = next(k for k in conserve["summary"][next(iter(conserve["summary"]))] if float(k) == rate)
     out: dict[str, dict[str, float]] = {}
     for policy, by_rate in conserve["summary"].items():
@@ -97,10 +99,17 @@ def measured_ttfets(conserve: dict[str, Any]) -> tuple[float, dict[str, dict[str
 
 
 def cpu_pools(policy: str, engine: dict[str, Any]) -> list[PoolSpec]:
-    shape = EngineShape(gpu="cpu", kv_capacity_tokens=int(engine["kv_capacity_tokens"]), bytes_per_token=int(engine["bytes_per_token"]),
-                        link_gbps=CPU_NIXL_GBPS, inject_gbps=CPU_NIXL_GBPS, block_size=int(engine["block_size"]),
-                        max_num_seqs=int(engine["max_num_seqs"]), max_num_batched_tokens=int(engine["max_num_batched_tokens"]),
-                        max_model_len=int(engine.get("max_model_len", 8192)))
+    shape = EngineShape(
+        gpu="cpu",
+        kv_capacity_tokens=int(engine["kv_capacity_tokens"]),
+        bytes_per_token=int(engine["bytes_per_token"]),
+        link_gbps=CPU_NIXL_GBPS,
+        inject_gbps=CPU_NIXL_GBPS,
+        block_size=int(engine["block_size"]),
+        max_num_seqs=int(engine["max_num_seqs"]),
+        max_num_batched_tokens=int(engine["max_num_batched_tokens"]),
+        max_model_len=int(engine.get("max_model_len", 8192)),
+    )
     if policy == "colocated":
         return [PoolSpec("decode", 2, shape)]
     return [PoolSpec("prefill", 1, shape), PoolSpec("decode", 1, shape)]
@@ -113,19 +122,27 @@ def to_sim(conv: Any, arrival_s: float, count: Callable[[str], int], max_model_l
     return workloads.Conversation(conv.conversation_id, conv.user, arrival_s, f"sys:{hash(conv.system)}:{conv.user}", system, turns)
 
 
-def simulate_conserve(conserve: dict[str, Any], model: CpuStepModel, engine: dict[str, Any], count: Callable[[str], int],
-                      trace: Sequence[Any], policies: Sequence[str]) -> dict[str, dict[str, float]]:
-    """policy -> {ttfet_p50_s, ttfet_p95_s} at the headline rate, median over conserve's repetitions."""
+def simulate_conserve(
+    conserve: dict[str, Any],
+    model: CpuStepModel,
+    engine: dict[str, Any],
+    count: Callable[[str], int],
+    trace: Sequence[Any],
+    policies: Sequence[str],
+    rate: float | None = None,
+    figures: Sequence[str] = ("ttfet_p50_s", "ttfet_p95_s"),
+) -> dict[str, dict[str, float]]:
+    """policy -> {figure: median over conserve's repetitions} at `rate` (default: the headline rate)."""
     from baton.bench.conserve_load import poisson_arrivals, split_levels
 
     w = conserve["workload"]
-    rates = list(w["rates"])
+    rates = [float(r) for r in w["rates"]]
     levels = split_levels(trace, len(rates), w["per_level"])
-    rate = float(conserve["headline"]["rate"])
+    rate = float(conserve["headline"]["rate"]) if rate is None else float(rate)
     k = rates.index(rate)
     out: dict[str, dict[str, float]] = {}
     for policy in policies:
-        per_rep: dict[str, list[float]] = {"ttfet_p50_s": [], "ttfet_p95_s": []}
+        per_rep: dict[str, list[float]] = {name: [] for name in figures}
         for rep in range(w["reps"]):
             arrivals = poisson_arrivals(len(levels[k]), rate, seed=w["seed"] * 1000 + rep * 10 + k)
             convs = [to_sim(c, t, count, int(engine.get("max_model_len", 8192))) for c, t in zip(levels[k], arrivals, strict=True)]
@@ -174,6 +191,19 @@ def run_calibration(conserve_json: Path, steps_json: Path | None = None, served_
         model, engine, report = served_step_model(served_steps, held)
         source = {"kind": "served_steps", "same_run_as_scored": same_run, **report}
     trace = build_trace(Workload(**{**conserve["workload"], "rates": tuple(conserve["workload"]["rates"])}))
-    sim = simulate_conserve(conserve, model, engine, token_counter(), trace, sorted(measured))
-    return {"rate": rate, "measured": measured, "simulated": sim, "step_model": {"prefill": model.prefill, "decode": model.decode},
-            "step_source": source, "calibration_error": calibration_error(sim, measured)}
+    count = token_counter()
+    sim = simulate_conserve(conserve, model, engine, count, trace, sorted(measured))
+    by_rate = {}  # the other levels too; with served steps of the same run, their steps were fitted on
+    for other in (float(r) for r in conserve["workload"]["rates"]):
+        if other != rate:
+            measured_there = measured_ttfets(conserve, other)[1]
+            by_rate[other] = calibration_error(simulate_conserve(conserve, model, engine, count, trace, sorted(measured_there), rate=other), measured_there)
+    return {
+        "rate": rate,
+        "measured": measured,
+        "simulated": sim,
+        "step_model": {"prefill": model.prefill, "decode": model.decode},
+        "step_source": source,
+        "calibration_error": calibration_error(sim, measured),
+        "calibration_error_other_levels": by_rate,
+    }

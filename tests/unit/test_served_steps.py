@@ -96,8 +96,9 @@ def test_the_scored_level_is_held_out_of_the_fit(tmp_path: Path):
     model, engine, report = ss.served_step_model(tmp_path, windows)
     assert engine["kv_capacity_tokens"] == 46592 and engine["bytes_per_token"] == 23_040
     assert report["fit_on"]["steps"] == 200 and report["held_out"]["steps"] == 200
-    assert report["fit_error"] == pytest.approx(0.0, abs=1e-9)
+    assert report["fit_step_error"] == pytest.approx(0.0, abs=1e-9)
     assert report["held_out_error"] == pytest.approx(1 / 3, rel=1e-6)  # fitted on the light level, it misses the heavy one
+    assert report["held_out_step_error"] == pytest.approx(1 / 3, rel=1e-6)  # every step 1/3 short: bias and per-step alike
 
 
 def test_run_calibration_takes_exactly_one_step_source(tmp_path: Path):
@@ -106,6 +107,14 @@ def test_run_calibration_takes_exactly_one_step_source(tmp_path: Path):
     with pytest.raises(ValueError, match="exactly one"):
         run_calibration(tmp_path / "conserve.json", steps_json=tmp_path / "s.json", served_steps=tmp_path)
     assert math.isnan(ss.summed_error(TRUE, []))
+    assert math.isnan(ss.step_error(TRUE, []))
+
+
+def test_the_per_step_error_sees_what_the_bias_cancels():
+    fast, slow = ss.Step(0, 0.02, (), (100,)), ss.Step(1, 0.06, (), (100,))  # same shape, one slow and one fast step
+    model = ss.fit([fast, slow, ss.Step(2, 0.2, ((512, 0),), ())])
+    assert ss.summed_error(model, [fast, slow]) == pytest.approx(0.0, abs=1e-9)
+    assert ss.step_error(model, [fast, slow]) == pytest.approx(0.5)  # |0.04 − 0.02| + |0.04 − 0.06| over 0.08
 
 
 @pytest.mark.parametrize(
@@ -127,3 +136,36 @@ def test_bench_scale_calibrates_with_exactly_one_step_source(given: dict):
     )
     with pytest.raises(SystemExit, match="exactly one of --cpu-steps or --served-steps"):
         commands.run_bench(args)
+
+
+def _conserve_json(path: Path, measured: dict[float, dict[str, float]], clocks: dict[float, list[float]]) -> Path:
+    workload = {"reps": 1, "rates": [0.3, 1.2], "per_level": 4, "user_turns": 2, "max_system_chars": 9000, "max_tokens": 32, "think_s": None, "seed": 0}
+    conserve = {
+        "workload": workload,
+        "headline": {"rate": 1.2},
+        "summary": {"colocated": {str(r): {k: {"median": v} for k, v in figs.items()} for r, figs in measured.items()}},
+        "reps": [{"levels": [{"rate": r, "clock": c} for r, c in clocks.items()]}],
+    }
+    path.write_text(json.dumps(conserve))
+    return path
+
+
+def test_run_calibration_scores_the_served_step_model_against_conserve(tmp_path: Path):
+    light, heavy = synthetic_steps(200, seed=8, t0=1000.0), synthetic_steps(100, seed=9, t0=2000.0)
+    write_trace(tmp_path / "steps" / "r0-colocated" / "decode-1.jsonl", light + heavy)
+    clocks = {0.3: [999.0, 1300.0], 1.2: [1999.0, 2200.0]}
+    unit = {r: {"ttfet_p50_s": 1.0, "ttfet_p95_s": 1.0} for r in clocks}
+    first = run_calibration(_conserve_json(tmp_path / "conserve.json", unit, clocks), served_steps=tmp_path)
+    src = first["step_source"]
+    assert src["kind"] == "served_steps" and src["same_run_as_scored"] is True
+    assert (src["fit_on"]["steps"], src["held_out"]["steps"]) == (200, 100)  # the headline level's steps are not fitted on
+    assert src["held_out_error"] == pytest.approx(0.0, abs=1e-6)  # the synthetic steps all follow TRUE
+    sim = first["simulated"]["colocated"]
+    assert 0 < sim["ttfet_p50_s"] <= sim["ttfet_p95_s"] < 60
+    # the simulation is deterministic: scored against its own figures the error is 0, against twice them 0.5
+    as_simulated = {1.2: sim, 0.3: {"ttfet_p50_s": 1.0, "ttfet_p95_s": 1.0}}
+    again = run_calibration(_conserve_json(tmp_path / "conserve.json", as_simulated, clocks), served_steps=tmp_path)
+    assert again["calibration_error"] == pytest.approx(0.0, abs=1e-9)
+    twice = {1.2: {k: 2 * v for k, v in sim.items()}, 0.3: as_simulated[0.3]}
+    assert run_calibration(_conserve_json(tmp_path / "conserve.json", twice, clocks), served_steps=tmp_path)["calibration_error"] == pytest.approx(0.5)
+    assert set(again["calibration_error_other_levels"]) == {0.3} and again["calibration_error_other_levels"][0.3] > 0
