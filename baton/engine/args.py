@@ -11,6 +11,7 @@ from baton.engine.config import EngineConfig
 from baton.engine.cpu_cores import CpuCores, core_slices
 from baton.engine.simulated.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, SimulatedSpec
 from baton.engine.simulated.step_table_cache import table_dir
+from baton.paths import REPO_ROOT
 from kv_transfer.config import PoolRole, kv_transfer_engine_arg, kv_transfer_engine_env
 
 GIB = 1 << 30
@@ -38,6 +39,11 @@ class EngineSpec:
         if self.cpu is None:
             raise ValueError("the pool has no cpu_cores")
         return replace(self, cores=tuple(cores), env={**self.env, "OMP_NUM_THREADS": str(self.cpu.threads_for(tuple(cores)))})
+
+
+def step_trace_of(cfg: EngineConfig, role: str) -> tuple[str, str] | None:
+    """(folder, role) of the engine's step trace, a relative folder taken from the repo root; None: off."""
+    return (os.path.join(REPO_ROOT, cfg.step_trace_dir), role) if cfg.step_trace_dir else None
 
 
 def resolve_model_path(model: str, model_cache: str) -> str:
@@ -121,7 +127,7 @@ def build_engine_spec(
     if not on_gpu:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind
         env["OMP_NUM_THREADS"] = str(cfg.cpu_threads)
-    trace = (cfg.step_trace_dir, role) if cfg.step_trace_dir else None
+    trace = step_trace_of(cfg, role)
     spec = EngineSpec(engine_kwargs=kwargs, env=env, model_path=model_path, step_trace=trace)
     if on_gpu or not cpu_cores:
         return spec
@@ -146,5 +152,5 @@ def simulated_engine_spec(cfg: EngineConfig, *, role: PoolRole, handoff: bool, m
         handoff=handoff,
         step_table_dir=table_dir(cache_root),
     )
-    trace = (cfg.step_trace_dir, role) if cfg.step_trace_dir else None
+    trace = step_trace_of(cfg, role)
     return EngineSpec(engine_kwargs={}, env={}, model_path=model_path, simulated=sim, step_trace=trace)
