@@ -181,22 +181,22 @@ def test_async_and_engine_thread_loads_give_the_same_output_next_to_a_running_st
     """A load on the connector's loader thread (the request waits in vLLM's WAITING_FOR_REMOTE_KVS
     while the engine steps others; by default loads of 1024 tokens or more, here every load): the
     same greedy tokens and logprobs as a load on the engine thread, while a long decode stream keeps
-    producing tokens on the engine."""
+    producing tokens on the engine. Both runs have a stream beside them, so their steps batch the
+    same shapes (a batch of one and a batch of two differ in the last bits of CPU matmuls)."""
     from kv_transfer.segment_scheduler import segment_scheduler_of
     from kv_transfer.segment_worker import process_segment_worker
 
     side, worker = segment_scheduler_of(runner.scheduler), process_segment_worker()
     assert side is not None and worker is not None and side.async_min_tokens == 1024  # the product's default
-    side.async_min_tokens = 0  # this prompt's ~100 injected tokens load in the background too
     p = _prompt(renderer, "What is Caroline's favourite food?", _whole_context_facts(), window=8)
     segs = _encode(runner, p)
-    stream_req = GenerationRequest(request_id=uuid.uuid4().hex, prompt_token_ids=p.token_ids[:64],
-                                   sampling=SamplingSpec(max_tokens=4000, temperature=0.0, ignore_eos=True),
-                                   cache_salt=uuid.uuid4().hex)
 
     async def injected_beside_a_stream() -> tuple[tuple[int, ...], list[float], int, int]:
         streamed = 0
         started, stop = asyncio.Event(), asyncio.Event()
+        stream_req = GenerationRequest(request_id=uuid.uuid4().hex, prompt_token_ids=p.token_ids[:64],
+                                       sampling=SamplingSpec(max_tokens=4000, temperature=0.0, ignore_eos=True),
+                                       cache_salt=uuid.uuid4().hex)
 
         async def stream() -> None:
             nonlocal streamed
@@ -223,6 +223,7 @@ def test_async_and_engine_thread_loads_give_the_same_output_next_to_a_running_st
         return tuple(toks), lps, at_submit, streamed
 
     before = worker.loader.submitted if worker.loader is not None else 0
+    side.async_min_tokens = 0  # this prompt's ~100 injected tokens load in the background too
     try:
         in_background, bg_lp, at_submit, streamed = asyncio.run(injected_beside_a_stream())
     finally:
@@ -233,9 +234,9 @@ def test_async_and_engine_thread_loads_give_the_same_output_next_to_a_running_st
     worker.loader.check_integrity()
     assert worker.loader.in_flight == 0
     waits = worker.layer_waits
-    on_engine_thread, _ = _run(runner, p.token_ids, injection=segs)  # under 1024 tokens: on the engine thread,
-    thread_lp = list(LAST_LOGPROBS)  # written layer by layer while the forward pass runs (eager engine)
-    assert worker.layer_waits >= waits + 30  # SmolLM2's 30 attention layers each waited for their layer
+    on_engine_thread, thread_lp, at_submit, streamed = asyncio.run(injected_beside_a_stream())  # under 1024 tokens: inline
+    assert streamed > at_submit
+    assert worker.layer_waits >= waits + 30  # SmolLM2's 30 attention layers each waited for their layer (eager engine)
     assert worker.loader.submitted == before + 1  # that one loaded on the engine thread
     assert in_background == on_engine_thread
     assert max(abs(a - b) for a, b in zip(bg_lp, thread_lp, strict=True)) < 1e-4
