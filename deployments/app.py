@@ -14,6 +14,7 @@ from ray.serve.config import AutoscalingConfig as ServeAutoscaling
 from ray.serve.config import RequestRouterConfig
 
 from baton.engine.args import EngineSpec, build_engine_spec, resolve_model_path
+from baton.engine.config import EngineConfig
 from deployments.config import AppConfig, ConfigError, PoolConfig, load_app_config
 from deployments.exposure import bind_refusal, serve_grpc_enabled, serve_http_host
 from deployments.ingress import Ingress, IngressSettings
@@ -33,6 +34,13 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 def project_path(p: str) -> str:
     """Relative paths in configs are relative to the project root (the builder's cwd is Ray's)."""
     return p if os.path.isabs(p) else str(PROJECT_ROOT / p)
+
+
+def engine_paths(engine: EngineConfig) -> EngineConfig:
+    """The engine config with its relative step_trace_dir taken from the project root."""
+    if not engine.step_trace_dir:
+        return engine
+    return engine.model_copy(update={"step_trace_dir": project_path(engine.step_trace_dir)})
 
 
 def ray_actor_options(pool: PoolConfig, env: dict[str, str]) -> dict[str, Any]:
@@ -117,7 +125,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
 
     def spec(role: PoolRole, pool: PoolConfig) -> EngineSpec:
         on_gpu = pool.resources.num_gpus > 0
-        return build_engine_spec(pool.engine, role=role, handoff=cfg.routing.disaggregated, model_path=model_path,
+        return build_engine_spec(engine_paths(pool.engine), role=role, handoff=cfg.routing.disaggregated, model_path=model_path,
                                  on_gpu=on_gpu, cache_root=cache_root, segments=cfg.memory is not None or cfg.realtime is not None,
                                  cpu_cores=pool.resources.cpu_cores, cores_per_replica=pool.resources.cpu_cores_per_replica)
 

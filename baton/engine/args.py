@@ -11,7 +11,6 @@ from baton.engine.config import EngineConfig
 from baton.engine.cpu_cores import CpuCores, core_slices
 from baton.engine.simulated.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, SimulatedSpec
 from baton.engine.simulated.step_table_cache import table_dir
-from baton.paths import REPO_ROOT
 from kv_transfer.config import PoolRole, kv_transfer_engine_arg, kv_transfer_engine_env
 
 GIB = 1 << 30
@@ -42,8 +41,9 @@ class EngineSpec:
 
 
 def step_trace_of(cfg: EngineConfig, role: str) -> tuple[str, str] | None:
-    """(folder, role) of the engine's step trace, a relative folder taken from the repo root; None: off."""
-    return (os.path.join(REPO_ROOT, cfg.step_trace_dir), role) if cfg.step_trace_dir else None
+    """(folder, role) of the engine's step trace; None: off. The app resolves a relative folder
+    against the project root before it gets here (deployments/app.engine_paths)."""
+    return (cfg.step_trace_dir, role) if cfg.step_trace_dir else None
 
 
 def resolve_model_path(model: str, model_cache: str) -> str:

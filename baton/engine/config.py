@@ -53,7 +53,7 @@ class EngineConfig(BaseModel):
     extra_engine_args: dict[str, Any] = Field(default_factory=dict, description="passed to EngineArgs unchanged")
     step_trace_dir: str | None = Field(
         None, description="write every engine step's wall time and batch shape as JSON lines, one file per engine, under "
-        "this folder, a relative one taken from the repo root (baton/engine/step_trace.py: what calibrates the fleet "
+        "this folder, a relative one taken from the project root (baton/engine/step_trace.py: what calibrates the fleet "
         "simulator); null: off")
     checkpoints: CheckpointConfig | None = Field(
         None, description="hybrid models only: recurrent-state checkpoints at planned positions (baton/engine/checkpoints/)"

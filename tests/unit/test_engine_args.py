@@ -291,7 +291,8 @@ def test_a_step_trace_is_off_unless_a_folder_is_named_and_then_knows_its_pool() 
     assert spec_of().step_trace is None
     assert spec_of(EngineConfig(model="m", step_trace_dir="/tmp/steps"), role="prefill").step_trace == ("/tmp/steps", "prefill")
     assert "step_trace_dir" not in spec_of(EngineConfig(model="m", step_trace_dir="/tmp/steps")).engine_kwargs
-    from baton.paths import REPO_ROOT
+    from deployments.app import PROJECT_ROOT, engine_paths
 
-    relative = spec_of(EngineConfig(model="m", step_trace_dir="runs/steps")).step_trace
-    assert relative is not None and relative[0] == str(REPO_ROOT / "runs" / "steps")  # like every relative path: from the repo root
+    relative = spec_of(engine_paths(EngineConfig(model="m", step_trace_dir="runs/steps"))).step_trace
+    assert relative is not None and relative[0] == str(PROJECT_ROOT / "runs" / "steps")  # like every relative path: from the project root
+    assert engine_paths(EngineConfig(model="m", step_trace_dir="/abs/steps")).step_trace_dir == "/abs/steps"
