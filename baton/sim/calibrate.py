@@ -20,7 +20,9 @@ after another, each with fresh engines: conserve salts each level's prefix cache
 max_tokens long (SmolLM2 may stop earlier: the simulator's TTFET is then an upper bound).
 
 calibration_error = max over policies and over {p50, p95} of |sim − measured| / measured, at
-conserve's headline load level (its JSON's "headline"."rate").
+conserve's headline load level (its JSON's "headline"."rate"); the same error at every other level
+is reported beside it (`calibration_error_other_levels`: with served steps of the same run, those
+levels' steps were fitted on).
 """
 
 from __future__ import annotations
