@@ -132,9 +132,8 @@ def simulate_conserve(
     trace: Sequence[Any],
     policies: Sequence[str],
     rate: float | None = None,
-    figures: Sequence[str] = ("ttfet_p50_s", "ttfet_p95_s"),
 ) -> dict[str, dict[str, float]]:
-    """policy -> {figure: median over conserve's repetitions} at `rate` (default: the headline rate)."""
+    """policy -> {ttfet_p50_s, ttfet_p95_s}, medians over conserve's repetitions, at `rate` (default: the headline rate)."""
     from baton.bench.conserve_load import poisson_arrivals, split_levels
 
     w = conserve["workload"]
@@ -144,7 +143,7 @@ def simulate_conserve(
     k = rates.index(rate)
     out: dict[str, dict[str, float]] = {}
     for policy in policies:
-        per_rep: dict[str, list[float]] = {name: [] for name in figures}
+        per_rep: dict[str, list[float]] = {"ttfet_p50_s": [], "ttfet_p95_s": []}
         for rep in range(w["reps"]):
             arrivals = poisson_arrivals(len(levels[k]), rate, seed=w["seed"] * 1000 + rep * 10 + k)
             convs = [to_sim(c, t, count, int(engine.get("max_model_len", 8192))) for c, t in zip(levels[k], arrivals, strict=True)]

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from baton.engine.simulated.timing import PrefillChunk, StepBatch
 from baton.sim.calibrate import CpuStepModel
 from baton.sim.cpu_steps import SMOLLM2_KV_BYTES_PER_TOKEN
 
@@ -105,9 +106,11 @@ def level_windows(conserve: dict[str, Any], rate: float) -> list[tuple[float, fl
 
 def split(steps: Sequence[Step], windows: Sequence[tuple[float, float]]) -> tuple[list[Step], list[Step]]:
     """(outside every window, inside one)."""
-    inside = [s for s in steps if any(a <= s.t <= b for a, b in windows)]
-    held = {id(s) for s in inside}
-    return [s for s in steps if id(s) not in held], inside
+    outside: list[Step] = []
+    inside: list[Step] = []
+    for s in steps:
+        (inside if any(a <= s.t <= b for a, b in windows) else outside).append(s)
+    return outside, inside
 
 
 def features(s: Step) -> list[float]:
@@ -147,12 +150,8 @@ def fit(steps: Sequence[Step]) -> CpuStepModel:
 
 
 def predict(model: CpuStepModel, s: Step) -> float:
-    p0, p1, p2 = model.prefill
-    d0, d1, d2 = model.decode
-    dec = sum(d1 + d2 * c for c in s.decodes)
-    if not s.prefills:
-        return d0 + dec
-    return p0 + sum(p1 * n + p2 * n * (c + n / 2) for n, c in s.prefills) + dec
+    """The model's time for the step's batch: the simulator's own step_time."""
+    return model.step_time(StepBatch(tuple(PrefillChunk(n, c) for n, c in s.prefills), s.decodes)).seconds
 
 
 def summed_error(model: CpuStepModel, steps: Sequence[Step]) -> float:
