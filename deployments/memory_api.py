@@ -11,7 +11,9 @@ naming another user anywhere is refused with 403. Operator keys (bound to no use
 
 What the client is told (memory_headers): a chat reply that asked for memories carries
 `x-baton-memories` (the recalled fact ids, comma-separated, in prompt order; empty when none was
-recalled) and `x-baton-memory-mode` (`kv` when their KV was injected, else `prompt`).
+recalled), `x-baton-memory-mode` (`kv` when KV was injected, else `prompt`) and
+`x-baton-memories-injected` (how many of the listed facts, from the first, came as KV; the rest were
+computed: memory.recompute_tail_tokens, or prompt mode).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ USER_HEADER = "x-baton-user"
 IDEMPOTENCY_HEADER = "idempotency-key"
 MEMORIES_HEADER = "x-baton-memories"  # the recalled fact ids, in prompt order
 MEMORY_MODE_HEADER = "x-baton-memory-mode"  # kv | prompt
+MEMORIES_INJECTED_HEADER = "x-baton-memories-injected"  # how many of the listed facts came as KV
 STORE_TIMEOUT_S = 10.0
 
 
@@ -57,7 +60,8 @@ def memory_headers(memory: MemoryPrompt | None) -> dict[str, str]:
     reached the engine; none for a request that asked for no memories."""
     if memory is None:
         return {}
-    return {MEMORIES_HEADER: ",".join(memory.fact_ids), MEMORY_MODE_HEADER: memory.mode}
+    return {MEMORIES_HEADER: ",".join(memory.fact_ids), MEMORY_MODE_HEADER: memory.mode,
+            MEMORIES_INJECTED_HEADER: str(memory.injected_facts)}
 
 
 def store_error(e: BaseException) -> APIError:
@@ -150,7 +154,8 @@ class MemoryFrontend:
             # templating and tokenizing a long conversation: off the event loop (deployments/offload.py)
             renderer = self._renderer.with_tools(template_tools(body.tools))  # tools are part of the rendered prompt
             return await asyncio.to_thread(memory_prompt, renderer, messages, recall.facts, user=user, model=self._model,
-                                           window=window, inject=mode == "kv", deletions=recall.deletions)
+                                           window=window, inject=mode == "kv", deletions=recall.deletions,
+                                           recompute_tail=self._cfg.recompute_tail_tokens)
         except ValueError as e:  # the client's messages cannot be laid out with memories: 400, not 500
             raise bad_request(str(e), param="messages") from None
 

@@ -24,6 +24,11 @@ class MemoryConfig(BaseModel):
     context_window: int = Field(2, ge=0, description=(
         "w: how many preceding facts of the same source are the context when a fact's KV is "
         "encoded (0 = the fact alone)."))
+    recompute_tail_tokens: int = Field(0, ge=0, le=8192, description=(
+        "Fidelity knob: the last facts of the memory block, the fewest holding at least this many "
+        "tokens, are computed by the engine (attending to the injected facts before them) instead of "
+        "injected as KV. Costs at most this many prefill tokens per request whatever k is; 0 = inject "
+        "every fact. See README, Memories."))
     segment_capacity_mb: int = Field(256, ge=1, description=(
         "Byte budget of the memory store's encoded-KV segment cache (one arena of this size)."))
     user_segment_quota_mb: int | None = Field(None, ge=1, description=(

@@ -2,8 +2,17 @@
 
 Layout (one prompt, both modes):
 
-    [anchor: chat template up to and including the memory header][fact 1 line][fact 2 line]…[rest]
+    [anchor: chat template up to and including the memory header][fact 1 line]…[fact n line][rest]
     |<------------- exact KV (computed once) ------------->|<-- position-free fact KV -->|<- computed ->|
+
+With a recompute tail of R tokens (MemoryConfig.recompute_tail_tokens), the last facts, the fewest
+whose lines hold at least R tokens, are computed by the engine instead of injected:
+
+    [anchor][fact 1 … fact m: injected KV][fact m+1 … fact n: computed][rest: computed]
+
+They then attend to the injected facts before them as in prompt mode (a suffix form of CacheBlend's
+selective recompute: vLLM's connector can only supply a contiguous prefix). The cost is bounded by R
+whatever k is. When the tail covers every fact nothing is injected: the request is in prompt mode.
 
 The memories sit at the end of the system message: "<system text>\\n\\nWhat you remember about the
 user:\\n- fact 1\\n- fact 2\\n…". Each part is tokenized on its own and the ids concatenated, so a
@@ -48,6 +57,7 @@ class MemoryPrompt:
     injection: MemoryInjection | None  # None in prompt mode or without facts
     cache_salt: str | None
     fact_ids: tuple[str, ...] = ()  # the recalled facts, in prompt order (what the client is told)
+    injected_facts: int = 0  # how many of them, from the first, come as KV (the rest are computed)
 
     @property
     def mode(self) -> Literal["kv", "prompt"]:
@@ -70,13 +80,17 @@ def memory_prompt(
     window: int,
     inject: bool,
     deletions: tuple[str, int] = ("", 0),
+    recompute_tail: int = 0,
 ) -> MemoryPrompt:
     """Token ids of `messages` (template dicts: role, content) with `facts` in the system message.
 
     inject=True returns the MemoryInjection (and a cache salt naming this composition: vLLM
     registers the injected blocks in its prefix cache, and an approximate injection must never be
     hit by a request that did not ask for exactly it). `deletions`: the recall's deletion mark,
-    carried to the engine replica on the injection."""
+    carried to the engine replica on the injection. `recompute_tail`: at least this many tokens at
+    the end of the memory block are computed instead of injected (whole facts; see the module doc)."""
+    if recompute_tail < 0:
+        raise ValueError("recompute_tail must be >= 0")
     msgs = list(messages)
     if msgs and msgs[0].get("role") == "system":
         system, rest = str(msgs[0].get("content") or ""), msgs[1:]
@@ -97,12 +111,23 @@ def memory_prompt(
         ids.extend(line)
     ids.extend(renderer.text_tokens(after))
     fact_ids = tuple(f.fact_id for f in facts)
-    if not inject or not placed:
+    injected = injected_prefix(placed, recompute_tail)
+    if not inject or not injected:
         return MemoryPrompt(tuple(ids), None, None, fact_ids)
-    injection = MemoryInjection(user=user, anchor_len=len(anchor), facts=tuple(placed), window=window, model=model,
+    injection = MemoryInjection(user=user, anchor_len=len(anchor), facts=injected, window=window, model=model,
                                 deletions=deletions)
     injection.check_integrity(len(ids))
-    return MemoryPrompt(tuple(ids), injection, composition_salt(injection, anchor), fact_ids)
+    return MemoryPrompt(tuple(ids), injection, composition_salt(injection, anchor), fact_ids, len(injected))
+
+
+def injected_prefix(placed: Sequence[MemoryFact], recompute_tail: int) -> tuple[MemoryFact, ...]:
+    """Pure: the facts injected as KV when the fewest last facts holding >= `recompute_tail` tokens
+    are computed instead (all of them at 0; none when the tail covers every fact)."""
+    n, tail = len(placed), 0
+    while n and tail < recompute_tail:
+        n -= 1
+        tail += len(placed[n].token_ids)
+    return tuple(placed[:n])
 
 
 def composition_salt(injection: MemoryInjection, anchor: Sequence[int]) -> str:

@@ -19,6 +19,10 @@ Measured, for k in {5, 10, 20, 50}:
 - fidelity at k = 10 and k = 50 (baton/bench/memory_fidelity.py): top-1 agreement with prompt
   injection and mean per-position KL(prompt || kv) over the whole vocabulary, top-1 accuracy along
   the reference answer, for the default window w and w = 0; answers' token-F1 at k = 10;
+- the recompute tail (MemoryConfig.recompute_tail_tokens) for R in RECOMPUTE_TAILS: the same
+  prompts with their last facts (>= R tokens) computed instead of injected, as the ingress lays
+  them out; engine TTFT at k = 5 and 50 (interleaved with the modes above) and fidelity at k = 50,
+  so what R buys and what it costs come from the same run;
 - the load stall (baton/bench/memory_async.py): a running decode stream's inter-token gaps while
   k = 50 KV-mode requests arrive, with their loads on the engine thread vs on the connector's
   loader thread (interleaved trials on the one engine);
@@ -57,6 +61,9 @@ SERVICE_CONCURRENCY = 16
 DEFAULT_WINDOW = 2
 HIT_BLOCK_SIZE = 32
 STALL_TRIALS = 5  # per mode, interleaved
+RECOMPUTE_TAILS = (128, 512)  # tokens of the memory block computed instead of injected (kv_tail<R>)
+HEADLINE_TAIL = 512  # the tail whose figures the RESULT line carries
+TAIL_KS = (5, 50)  # the ks whose cases carry tail variants (TTFT growth; fidelity at 50)
 
 
 def _runner(model_path: str) -> Any:
@@ -90,43 +97,61 @@ async def _request(runner: Any, ids: Sequence[int], segs: Any, max_tokens: int,
 class _Case:
     """One question of one user at one k and window: its prompt and (for KV mode) the KV handed to
     the engine: `prepared_kv`, its resolved segments prepared in the pull path (a PreparedInjection;
-    the plain segments when the engine cannot rotate them)."""
+    the plain segments when the engine cannot rotate them). `tails`: the same question laid out
+    with a recompute tail of R tokens, per R (None KV when the tail covers every fact)."""
 
-    def __init__(self, prompt: Any, prepared_kv: Any, answer: str):
+    def __init__(self, prompt: Any, prepared_kv: Any, answer: str, tails: dict[int, _Case] | None = None):
         self.prompt, self.prepared_kv, self.answer = prompt, prepared_kv, answer
+        self.tails = tails or {}
 
 
 async def _build_cases(runner: Any, renderer: Any, svc: Any, user: str, qas: Sequence[Any], k: int, window: int,
-                       resolver: Any) -> tuple[list[_Case], float, float]:
-    """The cases, the seconds spent resolving (encoding) their segments and preparing them."""
+                       resolver: Any, tails: Sequence[int] = ()) -> tuple[list[_Case], float, float]:
+    """The cases (with a variant per recompute tail in `tails`), the seconds spent resolving
+    (encoding) their segments and preparing them (the plain cases' only)."""
     from kv_transfer.segment_worker import prepare_injection
     from memory_store.layout import memory_prompt
 
     cases, enc_s, prep_s = [], 0.0, 0.0
     for qa in qas:
         recall = svc.recall(user, qa.question, k, window)
-        p = memory_prompt(renderer, [{"role": "user", "content": qa.question}], recall.facts,
-                          user=user, model="smollm2", window=window, inject=True)
+
+        def layout(tail: int, question: str = qa.question, facts: Any = recall.facts) -> Any:
+            return memory_prompt(renderer, [{"role": "user", "content": question}], facts,
+                                 user=user, model="smollm2", window=window, inject=True, recompute_tail=tail)
+
+        p = layout(0)
         t0 = time.perf_counter()
         segs = await resolver.resolve(p.token_ids, p.injection)
         t1 = time.perf_counter()
         prepared = await asyncio.to_thread(prepare_injection, segs)
         enc_s, prep_s = enc_s + t1 - t0, prep_s + time.perf_counter() - t1
-        cases.append(_Case(p, prepared, qa.answer))
+        variants = {}
+        for tail in tails:
+            tp = layout(tail)
+            kv = None
+            if tp.injection is not None:
+                kv = await asyncio.to_thread(prepare_injection, await resolver.resolve(tp.token_ids, tp.injection))
+            variants[tail] = _Case(tp, kv, qa.answer)
+        cases.append(_Case(p, prepared, qa.answer, variants))
     return cases, enc_s, prep_s
 
 
 async def _ttft(runner: Any, cases: Sequence[_Case], reps: int) -> dict[str, Any]:
-    out: dict[str, list[float]] = {"prompt": [], "kv": [], "hit": []}
-    cached: dict[str, list[int]] = {"prompt": [], "kv": [], "hit": []}
+    """Engine TTFT per mode: prompt, kv, hit, and kv_tail<R> for each recompute tail the cases carry."""
+    modes = ["prompt", "kv", "hit", *(f"kv_tail{t}" for t in cases[0].tails)]
+    out: dict[str, list[float]] = {m: [] for m in modes}
+    cached: dict[str, list[int]] = {m: [] for m in modes}
     for _ in range(reps):
         for c in cases:  # interleave the modes so drift on a shared machine hits all alike
-            for mode, segs in (("prompt", None), ("kv", c.prepared_kv), ("hit", None)):
+            runs = [("prompt", c.prompt, None), ("kv", c.prompt, c.prepared_kv), ("hit", c.prompt, None)]
+            runs += [(f"kv_tail{t}", v.prompt, v.prepared_kv) for t, v in c.tails.items()]
+            for mode, prompt, segs in runs:
                 salt = None
                 if mode == "hit":  # prime: the memory prefix computed once under this salt (not timed)
                     salt = uuid.uuid4().hex
-                    await _request(runner, c.prompt.token_ids[: c.prompt.injection.end], None, 1, salt)
-                t, _, n = await _request(runner, c.prompt.token_ids, segs, 1, salt)
+                    await _request(runner, prompt.token_ids[: prompt.injection.end], None, 1, salt)
+                t, _, n = await _request(runner, prompt.token_ids, segs, 1, salt)
                 out[mode].append(t)
                 cached[mode].append(n)
     prompt_len = sum(len(c.prompt.token_ids) for c in cases) / len(cases)
@@ -281,11 +306,28 @@ def run_result(by_k: dict[str, Any], fidelity: dict[str, Any], service: dict[str
         "top1_agreement_k50_w0": fid(50, "kv_w0", "top1_agreement_with_prompt"),
         "kl_k50_w0": fid(50, "kv_w0", "kl_to_prompt_mean"),
         "fidelity_ratio_w0": fid(FIDELITY_K, "kv_w0", "top1_accuracy") / base,
-    } | ({} if load_stall is None else {
+    } | _tail_result(by_k, fidelity, hit_growth) | ({} if load_stall is None else {
         "load_stall_gap_p95_ratio_async_over_sync": stall_ratio(load_stall),
         "load_stall_case_ttft_ratio_async_over_sync": (load_stall["async"]["case_ttft"]["p50_ms"]
                                                        / load_stall["sync"]["case_ttft"]["p50_ms"]),
     })
+
+
+def _tail_result(by_k: dict[str, Any], fidelity: dict[str, Any], hit_growth: float) -> dict[str, float]:
+    """Pure: the headline recompute tail's figures (none in a report measured without tails): its
+    fidelity at k = 50, its TTFT growth over a cache hit's, and its TTFT at k = 50 over plain KV's."""
+    t, w = HEADLINE_TAIL, f"kv_w{DEFAULT_WINDOW}"
+    mode = f"kv_tail{t}"
+    if mode not in by_k["50"]["ttft"]:
+        return {}
+    kv50, tail5, tail50 = (by_k[k]["ttft"][m]["p50_s"] for k, m in (("50", "kv"), ("5", mode), ("50", mode)))
+    fid = fidelity["50"][f"{w}_tail{t}"]
+    return {
+        f"top1_agreement_k50_tail{t}": fid["top1_agreement_with_prompt"],
+        f"kl_k50_tail{t}": fid["kl_to_prompt_mean"],
+        f"tail{t}_over_hit_growth": tail50 / tail5 / hit_growth,
+        f"tail{t}_ttft_k50_over_kv": tail50 / kv50,
+    }
 
 
 async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, list[Any]]], quick: bool,
@@ -304,7 +346,8 @@ async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, 
     for k in KS:
         cases, enc_s, prep_s = [], 0.0, 0.0
         for user, qas in users:
-            cs, e, pr = await _build_cases(runner, renderer, svc, user, qas, k, DEFAULT_WINDOW, resolver)
+            cs, e, pr = await _build_cases(runner, renderer, svc, user, qas, k, DEFAULT_WINDOW, resolver,
+                                           RECOMPUTE_TAILS if k in TAIL_KS else ())
             cases += cs
             enc_s, prep_s = enc_s + e, prep_s + pr
         if k in (KS[0], KS[-1], *FIDELITY_KS):  # kept for throughput and fidelity (each case holds its prepared KV)
@@ -322,6 +365,10 @@ async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, 
               f"cached kv {ttft['kv']['mean_cached_tokens']:.0f}, hit {ttft['hit']['mean_cached_tokens']:.0f}; "
               f"load {load_ms:.0f} ms ({prepared:.0%} prepared; prepare {1000 * prep_s / max(1, len(cases)):.0f} ms each); "
               f"encode {enc_s:.1f}s", flush=True)
+        for t in (RECOMPUTE_TAILS if k in TAIL_KS else ()):
+            m = ttft[f"kv_tail{t}"]
+            print(f"[memory] k={k:>2}: recompute tail {t}: TTFT p50 {m['p50_s'] * 1000:.0f} ms (p95 {m['p95_s'] * 1000:.0f}); "
+                  f"cached {m['mean_cached_tokens']:.0f} of {ttft['mean_prompt_tokens']:.0f} tokens", flush=True)
     for k in (KS[0], KS[-1]):
         by_k[k]["throughput"] = await _throughput(runner, cases_k[k], concurrency, 16)
         t = by_k[k]["throughput"]
@@ -341,16 +388,19 @@ async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, 
         for user, qas in users:
             cs, _, _ = await _build_cases(runner, renderer, svc, user, qas, k, 0, resolver)
             w0 += cs
-        scores = await memory_fidelity.measure(runner, renderer, {"prompt": cases_k[k], f"kv_w{DEFAULT_WINDOW}": cases_k[k],
-                                                                  "kv_w0": w0}, with_f1=k == FIDELITY_K)
+        modes = {"prompt": cases_k[k], f"kv_w{DEFAULT_WINDOW}": cases_k[k], "kv_w0": w0}
+        if k in TAIL_KS:
+            modes |= {f"kv_w{DEFAULT_WINDOW}_tail{t}": [c.tails[t] for c in cases_k[k]] for t in RECOMPUTE_TAILS}
+        scores = await memory_fidelity.measure(runner, renderer, modes, with_f1=k == FIDELITY_K)
         fidelity[str(k)] = {m: f.as_json() for m, f in scores.items()}
         for m, f in scores.items():
             f1 = f" answer F1 {f.answer_f1:.3f}," if f.answer_f1 is not None else ""
-            print(f"[memory] fidelity k={k} {m:>7}: top-1 agreement with prompt {f.top1_agreement_with_prompt:.3f}, "
+            print(f"[memory] fidelity k={k} {m:>13}: top-1 agreement with prompt {f.top1_agreement_with_prompt:.3f}, "
                   f"KL {f.kl_to_prompt_mean:.4f} nats (p95 {f.kl_to_prompt_p95:.4f}),{f1} top-1 along reference "
                   f"{f.top1_accuracy:.3f} ({f.positions} positions)", flush=True)
     return {"quick": quick, "conversations": convs, "questions_per_conversation": n_q, "reps": reps,
-            "window": DEFAULT_WINDOW, "by_k": {str(k): v for k, v in by_k.items()}, "fidelity_k": FIDELITY_K,
+            "window": DEFAULT_WINDOW, "recompute_tails": list(RECOMPUTE_TAILS), "by_k": {str(k): v for k, v in by_k.items()},
+            "fidelity_k": FIDELITY_K,
             "fidelity": fidelity, "load_stall": stall}
 
 

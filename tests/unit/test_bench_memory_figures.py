@@ -168,3 +168,16 @@ def test_the_stall_phase_times_the_running_stream_in_both_modes():
     assert memory_async.stall_ratio(report) < 1
     with pytest.raises(RuntimeError, match="no segment connector"):
         asyncio.run(memory_async.measure(SimpleNamespace(scheduler=None), cases, [1], _case_request, trials=1))
+
+
+def test_result_line_carries_the_recompute_tail_when_measured():
+    by_k, fidelity, service = _report()
+    assert "top1_agreement_k50_tail512" not in memory.run_result(by_k, fidelity, service)  # not measured: not claimed
+    by_k["5"]["ttft"]["kv_tail512"] = {"p50_s": 0.2}
+    by_k["50"]["ttft"]["kv_tail512"] = {"p50_s": 0.6}  # grows 3x, against a hit's 2x
+    fidelity["50"]["kv_w2_tail512"] = {"top1_accuracy": 0.45, "top1_agreement_with_prompt": 0.95, "kl_to_prompt_mean": 0.03}
+    r = memory.run_result(by_k, fidelity, service)
+    assert r["top1_agreement_k50_tail512"] == 0.95 and r["kl_k50_tail512"] == 0.03
+    assert r["tail512_over_hit_growth"] == pytest.approx(1.5)
+    assert r["tail512_ttft_k50_over_kv"] == pytest.approx(3.0)  # 0.6 s against plain KV's 0.2 s
+    assert r["top1_agreement_k50"] == 0.9  # the plain injection's figure is still the headline's

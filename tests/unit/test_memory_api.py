@@ -347,10 +347,33 @@ def test_a_reply_with_memories_names_the_recalled_facts_in_prompt_order(api: Api
     assert r.headers["content-type"].startswith("text/event-stream" if stream else "application/json")
     inj = api.backend.last.memory
     assert recalled_of(r) == [f.fact_id for f in inj.facts] == [ids[0], ids[2]]
-    assert r.headers["x-baton-memory-mode"] == "kv"
+    assert r.headers["x-baton-memory-mode"] == "kv" and r.headers["x-baton-memories-injected"] == "2"
     assert r.headers["x-baton-replica"] == "replica-a"  # beside the replica header, not instead of it
     if stream:
         assert r.text.rstrip().endswith("data: [DONE]")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_recompute_tail_injects_all_but_the_last_fact_and_says_how_many(tmp_path: Path, stream: bool) -> None:
+    api = make_api(tmp_path, recompute_tail_tokens=1)  # one token: the last fact's whole line
+    ids = ids_of(api.add("alice", ALICE_FACTS))
+    r = api.chat({"k": 2}, content="dog Rex violin", stream=stream)
+    inj, prompt = api.backend.last.memory, api.backend.last.prompt_token_ids
+    assert recalled_of(r) == [ids[0], ids[2]]  # every recalled fact is named
+    assert [f.fact_id for f in inj.facts] == [ids[0]]  # only the first is injected
+    assert r.headers["x-baton-memory-mode"] == "kv" and r.headers["x-baton-memories-injected"] == "1"
+    last = api.line_ids(ALICE_FACTS[2])
+    assert prompt[inj.end : inj.end + len(last)] == last  # the last fact's tokens follow the injection, computed
+    assert api.chat({"k": 2}, content="dog Rex violin", stream=stream).headers["x-baton-memories-injected"] == "1"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tail_longer_than_the_memories_computes_them_all(tmp_path: Path, stream: bool) -> None:
+    api = make_api(tmp_path, recompute_tail_tokens=4096)
+    ids_of(api.add("alice", ALICE_FACTS))
+    r = api.chat({"k": 2}, content="dog Rex violin", stream=stream)
+    assert len(recalled_of(r)) == 2 and api.backend.last.memory is None
+    assert r.headers["x-baton-memory-mode"] == "prompt" and r.headers["x-baton-memories-injected"] == "0"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -397,7 +420,8 @@ def test_memory_headers() -> None:
     from memory_store.layout import MemoryPrompt
 
     assert memory_api.memory_headers(None) == {}
-    assert memory_api.memory_headers(MemoryPrompt((1, 2), None, None)) == {"x-baton-memories": "", "x-baton-memory-mode": "prompt"}
+    assert memory_api.memory_headers(MemoryPrompt((1, 2), None, None)) == {
+        "x-baton-memories": "", "x-baton-memory-mode": "prompt", "x-baton-memories-injected": "0"}
     assert memory_api.memory_headers(MemoryPrompt((1,), None, None, ("b", "a")))["x-baton-memories"] == "b,a"
 
 

@@ -14,6 +14,7 @@ from memory_store.layout import (
     RecalledFact,
     composition_salt,
     fact_line,
+    injected_prefix,
     memory_prompt,
 )
 
@@ -201,3 +202,47 @@ def test_integrity_accepts_a_tiling_that_leaves_a_token() -> None:
 def test_integrity_rejects(inj: MemoryInjection, prompt_len: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         inj.check_integrity(prompt_len)
+
+
+# ---- recompute tail: the last facts computed instead of injected (MemoryConfig.recompute_tail_tokens) ----
+
+def test_a_recompute_tail_injects_the_first_facts_and_leaves_the_last_to_compute() -> None:
+    whole = prompt()
+    lens = [len(f.token_ids) for f in whole.injection.facts]  # 6, 5, 6 words
+    p = memory_prompt(R, MSGS, FACTS, user="alice", model="m", window=2, inject=True, recompute_tail=lens[-1])
+    assert p.token_ids == whole.token_ids  # the same prompt: only what is injected changes
+    assert [f.fact_id for f in p.injection.facts] == ["f1", "f2"] and p.injected_facts == 2
+    assert p.injection.facts == whole.injection.facts[:2]
+    assert p.injection.end == whole.injection.end - lens[-1]
+    assert p.fact_ids == whole.fact_ids == ("f1", "f2", "f3")  # the client is still told every recalled fact
+    # a different composition is injected, so its cache salt differs from the whole injection's
+    assert p.cache_salt != whole.cache_salt and p.cache_salt.startswith("baton-mem-")
+    # one token more than the last fact's line takes the fact before it too (whole facts only)
+    q = memory_prompt(R, MSGS, FACTS, user="alice", model="m", window=2, inject=True, recompute_tail=lens[-1] + 1)
+    assert [f.fact_id for f in q.injection.facts] == ["f1"] and q.injected_facts == 1
+
+
+def test_a_tail_covering_every_fact_is_prompt_mode() -> None:
+    p = memory_prompt(R, MSGS, FACTS, user="alice", model="m", window=2, inject=True, recompute_tail=10_000)
+    assert p.injection is None and p.cache_salt is None and p.mode == "prompt" and p.injected_facts == 0
+    assert p.token_ids == prompt().token_ids and p.fact_ids == ("f1", "f2", "f3")
+
+
+def test_no_tail_injects_every_fact_and_counts_them() -> None:
+    p = prompt()
+    assert p.injected_facts == 3 and prompt(inject=False).injected_facts == 0
+
+
+def test_injected_prefix_is_the_fewest_last_facts_holding_the_tail() -> None:
+    facts = [MemoryFact(f"f{i}", 10 + 4 * i, tuple(range(4))) for i in range(5)]  # 4 tokens each
+    assert injected_prefix(facts, 0) == tuple(facts)
+    assert injected_prefix(facts, 1) == tuple(facts[:4])
+    assert injected_prefix(facts, 4) == tuple(facts[:4])
+    assert injected_prefix(facts, 5) == tuple(facts[:3])
+    assert injected_prefix(facts, 20) == ()
+    assert injected_prefix([], 8) == ()
+
+
+def test_a_negative_tail_is_refused() -> None:
+    with pytest.raises(ValueError, match="recompute_tail"):
+        memory_prompt(R, MSGS, FACTS, user="alice", model="m", window=2, inject=True, recompute_tail=-1)
