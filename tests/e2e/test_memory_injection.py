@@ -156,6 +156,23 @@ def test_whole_context_encoding_matches_prompt_injection(runner: Any, renderer: 
     assert max(abs(a - b) for a, b in zip(LAST_LOGPROBS, plain_lp, strict=True)) < 0.1
 
 
+def test_a_recompute_tail_loads_the_first_facts_and_computes_the_last(runner: Any, renderer: Any) -> None:
+    """memory.recompute_tail_tokens: the engine loads only [0, end of the injected facts) and computes
+    the last fact with the rest; with exact segments that is the prompt's own greedy answer."""
+    whole = _prompt(renderer, "What is Caroline's favourite food?", _whole_context_facts(), window=8)
+    p = memory_prompt(renderer, [{"role": "user", "content": "What is Caroline's favourite food?"}], _whole_context_facts(),
+                      user="caroline", model="smollm2", window=8, inject=True, recompute_tail=1)
+    assert p.token_ids == whole.token_ids and p.injected_facts == len(FACTS) - 1
+    segs = _encode(runner, p)
+    assert len(segs) == len(FACTS)  # the anchor and the first three facts: the last is not loaded
+    plain, _ = _run(runner, p.token_ids)
+    plain_lp = list(LAST_LOGPROBS)
+    out, cached = _run(runner, p.token_ids, injection=segs, salt=p.cache_salt)
+    assert cached == p.injection.end < whole.injection.end
+    assert out == plain
+    assert max(abs(a - b) for a, b in zip(LAST_LOGPROBS, plain_lp, strict=True)) < 0.1
+
+
 def test_window_zero_encoding_runs_and_is_used(runner: Any, renderer: Any) -> None:
     facts = [RecalledFact(f"{i:032x}", t) for i, t in enumerate(FACTS)]
     p = _prompt(renderer, "What does Caroline eat?", facts, window=0)
