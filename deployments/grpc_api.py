@@ -166,8 +166,9 @@ class GrpcFrontend:
 
 
 def _memory_trailers(ready: Ready, context: StatusContext) -> None:
-    """A reply that asked for memories names them as HTTP does (x-baton-memories, x-baton-memory-mode),
-    in trailing metadata, which Serve's gRPC proxy hands on with the status (see the module docstring)."""
+    """A reply that asked for memories names them as HTTP does (x-baton-memories, x-baton-memory-mode,
+    x-baton-memories-injected), in trailing metadata, which Serve's gRPC proxy hands on with the
+    status (see the module docstring)."""
     headers = memory_headers(ready.memory)
     if headers:
         context.set_trailing_metadata(list(headers.items()))

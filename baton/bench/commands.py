@@ -33,6 +33,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--served-steps", type=Path, default=None,
                    help="scale only: a `bench conserve` run dir whose engines' step traces time the calibration (instead of --cpu-steps)")
     p.add_argument("--replicas-json", type=Path, default=None, help="scale only: the control-plane measurement ({\"max_replicas\": n})")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="memory only: the engine's dtype (default bfloat16; float32 on a CPU without native bf16)")
     p.add_argument("--out", type=Path, default=None, help="output dir (default ./runs/bench-<name>-<timestamp>, relative to where you run it)")
     p.set_defaults(func=run_bench)
 
@@ -47,6 +49,10 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.name != "checkpoints":
             raise SystemExit("--offline is only for `baton bench checkpoints`")
         extra["offline"] = True
+    if getattr(args, "dtype", None) is not None:
+        if args.name != "memory":
+            raise SystemExit("--dtype is only for `baton bench memory`")
+        extra["dtype"] = args.dtype
     scale_only = {k: getattr(args, k, None) for k in ("calibrate", "cpu_steps", "served_steps", "replicas_json")}
     if any(v is not None for v in scale_only.values()):
         if args.name != "scale":

@@ -13,13 +13,14 @@ ROOT = REPO_ROOT
 
 def local_engine(model_path: str | Path, *, max_model_len: int = 4096, kv_cache_gib: float = 1.0, cpu_threads: int = 2,
                  max_num_seqs: int = 16, segments: bool = True, extra_engine_args: dict[str, Any] | None = None,
-                 block_size: int | None = None) -> EngineRunner:
+                 block_size: int | None = None, dtype: str = "bfloat16") -> EngineRunner:
     from baton.engine.args import build_engine_spec
     from baton.engine.config import EngineConfig
 
     path = str(model_path)
     cfg = EngineConfig(model=path, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, cpu_threads=cpu_threads,
-                       max_num_seqs=max_num_seqs, extra_engine_args=extra_engine_args or {}, block_size=block_size)
+                       max_num_seqs=max_num_seqs, extra_engine_args=extra_engine_args or {}, block_size=block_size,
+                       dtype=dtype)
     spec = build_engine_spec(cfg, role="decode", handoff=False, model_path=path, on_gpu=False,
                              cache_root=str(ROOT / ".cache"), segments=segments)
     return EngineRunner(spec)

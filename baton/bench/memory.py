@@ -66,7 +66,7 @@ HEADLINE_TAIL = 512  # the tail whose figures the RESULT line carries
 TAIL_KS = (5, 50)  # the ks whose cases carry tail variants (TTFT growth; fidelity at 50)
 
 
-def _runner(model_path: str) -> Any:
+def _runner(model_path: str, dtype: str = "bfloat16") -> Any:
     from baton.bench.local_engine import local_engine
 
     # max_logprobs -1: fidelity reads each position's distribution over the whole vocabulary.
@@ -74,7 +74,7 @@ def _runner(model_path: str) -> Any:
     # computes the suffix plus the memory prefix's last partial block; 32 is the smallest block the
     # CPU attention kernel takes (multiples of 32), GPUs use 16. Both modes run on this engine.
     return local_engine(model_path, max_model_len=4096, kv_cache_gib=1.0, cpu_threads=2, max_num_seqs=16,
-                        extra_engine_args={"max_logprobs": -1}, block_size=HIT_BLOCK_SIZE)
+                        extra_engine_args={"max_logprobs": -1}, block_size=HIT_BLOCK_SIZE, dtype=dtype)
 
 
 async def _request(runner: Any, ids: Sequence[int], segs: Any, max_tokens: int,
@@ -211,7 +211,7 @@ class _Renderer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
 
-async def _main(quick: bool, out_dir: Path) -> dict[str, Any]:
+async def _main(quick: bool, out_dir: Path, dtype: str) -> dict[str, Any]:
     from baton.engine.args import resolve_model_path
     from memory_store.config import MemoryConfig
     from memory_store.db import FactStore
@@ -238,10 +238,11 @@ async def _main(quick: bool, out_dir: Path) -> dict[str, Any]:
         users.append((name, qas))
         print(f"[memory] {name}: {len(batch.texts)} facts, {len(qas)} questions")
     t0 = time.perf_counter()
-    runner = _runner(model_path)
-    print(f"[memory] engine up in {time.perf_counter() - t0:.1f}s")
+    runner = _runner(model_path, dtype)
+    print(f"[memory] engine up in {time.perf_counter() - t0:.1f}s ({dtype})")
     try:
         report = await _measure(runner, renderer, svc, users, quick, convs, n_q, reps, concurrency)
+        report["dtype"] = dtype
         report["service"] = await _service(runner, renderer, cfg, tmp / "facts.sqlite3", users, reps)
     finally:
         runner.shutdown()
@@ -404,8 +405,10 @@ async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, 
             "fidelity": fidelity, "load_stall": stall}
 
 
-def run(quick: bool, out_dir: Path) -> dict[str, Any]:
-    return asyncio.run(_main(quick, out_dir))
+def run(quick: bool, out_dir: Path, dtype: str = "bfloat16") -> dict[str, Any]:
+    """dtype: the engine's (bfloat16 by default; float32 where the CPU has no native bf16: on an
+    AVX2-only x86 CPU vLLM's bf16 prefill measured ~4x slower than float32 with SmolLM2)."""
+    return asyncio.run(_main(quick, out_dir, dtype))
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:

@@ -51,3 +51,22 @@ def test_offline_reaches_only_the_checkpoints_bench(recorded: list[Path], tmp_pa
     with pytest.raises(SystemExit):
         args.func(args)
     assert not recorded
+
+
+def test_dtype_reaches_only_the_memory_bench(recorded: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict] = []
+    fake = types.ModuleType("fake_memory")
+    fake.run = lambda quick, out_dir, **kw: calls.append(kw)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_memory", fake)
+    monkeypatch.setitem(commands.BENCHMARKS, "memory", "fake_memory")
+    monkeypatch.chdir(tmp_path)
+    for argv, expected in ((["bench", "memory", "--quick", "--dtype", "float32"], {"dtype": "float32"}),
+                           (["bench", "memory", "--quick"], {})):
+        args = build_parser().parse_args(argv)
+        assert args.func(args) == 0 and calls[-1] == expected
+    args = build_parser().parse_args(["bench", "fake", "--dtype", "float32"])
+    with pytest.raises(SystemExit):
+        args.func(args)
+    assert not recorded
+    with pytest.raises(SystemExit):  # not a dtype the bench takes
+        build_parser().parse_args(["bench", "memory", "--dtype", "int8"])

@@ -63,7 +63,7 @@ def test_unary_and_streamed_replies_name_the_recalled_facts(tmp_path: Path) -> N
         md = asyncio.run(_trailers(frontend, _req(pb.Memories(k=2)), stream))
         injected = [f.fact_id for f in backend.last.memory.facts]
         assert md["x-baton-memories"].split(",") == injected and set(injected) <= set(ids) and len(injected) == 2
-        assert md["x-baton-memory-mode"] == "kv"
+        assert md["x-baton-memory-mode"] == "kv" and md["x-baton-memories-injected"] == "2"
 
 
 def test_a_reply_without_memories_has_no_memory_trailers(tmp_path: Path) -> None:
