@@ -29,7 +29,7 @@ from memory_store.config import MemoryConfig
 from memory_store.errors import FactNotFound, IdempotencyKeyReused, InvalidInput
 from memory_store.idempotency import validate_key
 from memory_store.ingest import conversation_facts
-from memory_store.layout import RESERVED_MARK, MemoryPrompt, RecalledFact, memory_prompt
+from memory_store.layout import RESERVED_MARK, LineTokens, MemoryPrompt, RecalledFact, memory_prompt
 
 logger = logging.getLogger("baton.api")
 
@@ -83,6 +83,7 @@ class MemoryFrontend:
         self._cfg = cfg
         self._store = store
         self._renderer = renderer
+        self._lines = LineTokens(renderer)  # fact lines' token ids (with tools or not: the same tokenizer)
         self._model = model
         self._encoder = encoder  # the decode pool handle: precomputes KV of newly added facts
         self._background: set[asyncio.Task] = set()
@@ -155,7 +156,7 @@ class MemoryFrontend:
             renderer = self._renderer.with_tools(template_tools(body.tools))  # tools are part of the rendered prompt
             return await asyncio.to_thread(memory_prompt, renderer, messages, recall.facts, user=user, model=self._model,
                                            window=window, inject=mode == "kv", deletions=recall.deletions,
-                                           recompute_tail=self._cfg.recompute_tail_tokens)
+                                           recompute_tail=self._cfg.recompute_tail_tokens, line_tokens=self._lines)
         except ValueError as e:  # the client's messages cannot be laid out with memories: 400, not 500
             raise bad_request(str(e), param="messages") from None
 
@@ -173,7 +174,8 @@ class MemoryFrontend:
                 else:
                     recalled_ctx = recalled
                 p = memory_prompt(self._renderer, [{"role": "user", "content": ""}], recalled_ctx,
-                                  user=user, model=self._model, window=window, inject=True, deletions=mark)
+                                  user=user, model=self._model, window=window, inject=True, deletions=mark,
+                                  line_tokens=self._lines)
                 if p.injection is not None:
                     await self._encoder.encode_memories.remote(p.token_ids, p.injection)
             except Exception as e:  # noqa: BLE001 - best effort

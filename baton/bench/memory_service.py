@@ -3,7 +3,8 @@
 Per request, timed from the question text:
 1. recall: the memory-store actor (memory_store/deployment.py, a Ray actor here) embeds the
    question and takes the top k of the user's facts;
-2. layout: the prompt's token ids with the facts in it (memory_store/layout.py);
+2. layout: the prompt's token ids with the facts in it (memory_store/layout.py), fact lines' ids
+   remembered across requests as the ingress remembers them (LineTokens);
 3. resolve: the replica's SegmentResolver finds each segment in one of the tiers below;
 4. prepare: the segments' keys rotated to their prompt positions and cast, keys and values laid
    end to end in the model dtype, in a thread (kv_transfer/prepared.py), as the replica does;
@@ -53,7 +54,8 @@ class Timed:
     pulled_segments: int = 0  # read over NIXL from the store's arena
 
 
-async def one(runner: Any, renderer: Any, store: Any, resolver: Any, q: Question, k: int, window: int) -> Timed:
+async def one(runner: Any, renderer: Any, store: Any, resolver: Any, q: Question, k: int, window: int,
+              lines: Any = None) -> Timed:
     """One request along the service path; `resolver` decides the tier."""
     from baton.engine.types import GenerationRequest, SamplingSpec
     from kv_transfer.segment_worker import prepare_injection
@@ -62,7 +64,7 @@ async def one(runner: Any, renderer: Any, store: Any, resolver: Any, q: Question
     t0 = time.perf_counter()
     recall = await store.recall.remote(q.user, q.text, k, window)
     t1 = time.perf_counter()
-    p = _prompt(renderer, q, recall, window)
+    p = _prompt(renderer, q, recall, window, lines)
     t2 = time.perf_counter()
     segs = await resolver.resolve(p.token_ids, p.injection)
     t3 = time.perf_counter()
@@ -99,8 +101,10 @@ async def measure(runner: Any, renderer: Any, store: Any, questions: Sequence[Qu
     each question: its facts' segments then exist in the store (pull) and in the shared replica LRU
     (warm)."""
     from kv_transfer.segment_pull import process_puller
+    from memory_store.layout import LineTokens
     from memory_store.resolver import SegmentResolver
 
+    lines = LineTokens(renderer)  # the ingress's, shared by every request as there
     puller = process_puller()
     if puller is None:
         raise RuntimeError("NIXL cannot run in this process: the pull tier has nothing to measure")
@@ -115,13 +119,14 @@ async def measure(runner: Any, renderer: Any, store: Any, questions: Sequence[Qu
         for rep in range(reps):
             for q in questions:
                 if rep == 0:  # a user's first request: once per question (at k = 50 it costs seconds)
-                    rows["encode"].append(await one(runner, renderer, store, SegmentResolver(runner, None, LOCAL_CAPACITY_BYTES), q, k, window))
+                    rows["encode"].append(await one(runner, renderer, store, SegmentResolver(runner, None, LOCAL_CAPACITY_BYTES), q, k,
+                                                    window, lines))
                     ids, m = await _layout(renderer, store, q, k, window)
                     await warm.resolve(ids, m)  # fills the warm LRU; what it encodes it offers to the store
                     await _stored(store, ids, m)
                 for tier in ("pull", "pull_ray"):
-                    rows[tier].append(await one(runner, renderer, store, fresh(tier), q, k, window))
-                rows["warm"].append(await one(runner, renderer, store, warm, q, k, window))
+                    rows[tier].append(await one(runner, renderer, store, fresh(tier), q, k, window, lines))
+                rows["warm"].append(await one(runner, renderer, store, warm, q, k, window, lines))
         by_tier = {t: summarize(v) for t, v in rows.items()}
         _check_pulled(rows["pull"])
         loaded: dict[str, Any] = {}
@@ -131,7 +136,7 @@ async def measure(runner: Any, renderer: Any, store: Any, questions: Sequence[Qu
             async def go(q: Question, tier: str = tier, sem: asyncio.Semaphore = sem, k: int = k, warm: Any = warm) -> Timed:
                 async with sem:
                     r = warm if tier == "warm" else fresh(tier)
-                    return await one(runner, renderer, store, r, q, k, window)
+                    return await one(runner, renderer, store, r, q, k, window, lines)
 
             batch = [q for _ in range(max(1, 2 * concurrency // max(1, len(questions)))) for q in questions]
             t0 = time.perf_counter()
@@ -157,12 +162,12 @@ def _check_pulled(rows: Sequence[Timed]) -> None:
         raise RuntimeError(f"{missed} of {len(rows)} pull-tier requests read nothing over NIXL (see the resolver's warnings)")
 
 
-def _prompt(renderer: Any, q: Question, recall: Any, window: int) -> Any:
+def _prompt(renderer: Any, q: Question, recall: Any, window: int, lines: Any = None) -> Any:
     """The question's prompt with its recalled facts in KV-injection layout (a MemoryPrompt)."""
     from memory_store.layout import memory_prompt
 
     return memory_prompt(renderer, [{"role": "user", "content": q.text}], recall.facts, user=q.user, model="smollm2",
-                         window=window, inject=True, deletions=recall.deletions)
+                         window=window, inject=True, deletions=recall.deletions, line_tokens=lines)
 
 
 async def _layout(renderer: Any, store: Any, q: Question, k: int, window: int) -> tuple[Any, Any]:

@@ -11,6 +11,7 @@ from kv_transfer.injection import MemoryFact, MemoryInjection
 from memory_store.layout import (
     DEFAULT_SYSTEM,
     MEMORY_HEADER,
+    LineTokens,
     RecalledFact,
     composition_salt,
     fact_line,
@@ -246,3 +247,43 @@ def test_injected_prefix_is_the_fewest_last_facts_holding_the_tail() -> None:
 def test_a_negative_tail_is_refused() -> None:
     with pytest.raises(ValueError, match="recompute_tail"):
         memory_prompt(R, MSGS, FACTS, user="alice", model="m", window=2, inject=True, recompute_tail=-1)
+
+
+# ---- LineTokens: fact lines' token ids remembered ----------------------------------------------
+
+class CountingRenderer:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def chat_text(self, messages):
+        return R.chat_text(messages)
+
+    def text_tokens(self, text: str) -> list[int]:
+        self.calls.append(text)
+        return R.text_tokens(text)
+
+
+def test_line_tokens_give_the_same_prompt_and_tokenize_each_line_once() -> None:
+    counting = CountingRenderer()
+    lines = LineTokens(counting)
+    first = memory_prompt(counting, MSGS, FACTS, user="alice", model="m", window=2, inject=True, line_tokens=lines)
+    assert first == prompt()  # the same ids, injection and salt as tokenizing every line
+    n_lines = len({f.text for f in FACTS} | {c for f in FACTS for c in f.context})  # "User lives in Paris" twice
+    assert lines.misses == n_lines == len(lines) and lines.hits == 1
+    counting.calls.clear()
+    again = memory_prompt(counting, MSGS, FACTS, user="alice", model="m", window=2, inject=True, line_tokens=lines)
+    assert again == first and lines.misses == n_lines
+    assert all(fact_line(f.text) not in counting.calls for f in FACTS)  # only the anchor and the rest were tokenized
+
+
+def test_line_tokens_forget_the_least_recently_used_line() -> None:
+    lines = LineTokens(R, capacity=2)
+    a, b = lines("User lives in Paris"), lines("User owns a cat")
+    assert a == tuple(R.text_tokens(fact_line("User lives in Paris"))) and b != a
+    lines("User lives in Paris")  # a is now the most recent
+    lines("User works at a bakery")  # evicts b
+    assert len(lines) == 2 and (lines.hits, lines.misses) == (1, 3)
+    lines("User owns a cat")
+    assert lines.misses == 4
+    with pytest.raises(ValueError, match="capacity"):
+        LineTokens(R, capacity=0)
