@@ -86,7 +86,9 @@ def _bare_phase(model_path: str, prompts: list[list[int]], max_tokens: int, conc
     from vllm.v1.engine.llm_engine import LLMEngine
 
     t0 = time.monotonic()
-    engine = LLMEngine.from_engine_args(EngineArgs(**spec.engine_kwargs))
+    from baton.engine.vllm_engine import engine_kwargs_here
+
+    engine = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs_here(spec)))
     start_s = time.monotonic() - t0
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     for i, ids in enumerate(warmup):  # the same warm-up the Baton phase gets
@@ -150,8 +152,11 @@ def _baton_phase(model_path: str, prompts: list[list[int]], max_tokens: int, con
 
 
 def vllm_serve_argv(spec: Any, port: int) -> list[str]:
-    """`vllm serve` with the engine arguments the bare and Baton phases use (EngineSpec kwargs)."""
-    kw = spec.engine_kwargs
+    """`vllm serve` with the engine arguments the bare and Baton phases use (EngineSpec kwargs, the
+    dtype resolved for this CPU as theirs is)."""
+    from baton.engine.vllm_engine import engine_kwargs_here
+
+    kw = engine_kwargs_here(spec)
     argv = ["vllm", "serve", kw["model"], "--port", str(port), "--host", "127.0.0.1", "--tokenizer", kw["tokenizer"],
             "--served-model-name", "SmolLM2-135M-Instruct", "--max-model-len", str(kw["max_model_len"]), "--dtype", kw["dtype"],
             "--max-num-seqs", str(kw["max_num_seqs"]), "--seed", str(kw["seed"]), "--kv-cache-memory-bytes", str(kw["kv_cache_memory_bytes"])]

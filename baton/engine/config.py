@@ -35,7 +35,9 @@ class EngineConfig(BaseModel):
     model: str = Field(..., description="path of an HF model folder, or a name under the model cache")
     tokenizer: str | None = None
     max_model_len: int = Field(4096, ge=16)
-    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = Field("auto", description=(
+        "auto: the model's own dtype on a GPU; on a CPU bfloat16 where the CPU computes it natively "
+        "(AVX-512 BF16 or AMX), else float32 (resolved on the replica's host)"))
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
     kv_cache_gib: float = Field(1.0, gt=0, description="KV pool size (VLLM_CPU_KVCACHE_SPACE on CPU)")

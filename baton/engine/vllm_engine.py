@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from baton.engine.args import EngineSpec
+from baton.engine.args import EngineSpec, engine_dtype
 from baton.engine.cpu_cores import pin_threads, thread_ids
 
 logger = logging.getLogger("baton.engine")
@@ -42,8 +42,30 @@ def engine_thread_affinity(spec: EngineSpec) -> Iterator[None]:
             os.sched_setaffinity(0, cpus)
 
 
+def native_cpu_bf16() -> bool:
+    """Whether this host's CPU computes bf16 natively: AVX-512 BF16 or AMX tiles on x86; assumed on
+    other architectures (vLLM's CPU backend takes bf16 there as native)."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    import torch
+
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def engine_kwargs_here(spec: EngineSpec) -> dict[str, Any]:
+    """The spec's EngineArgs with `dtype: auto` resolved for the CPU of the host the engine runs on
+    (engine_dtype): the replica's host, not the one that built the app."""
+    kwargs = dict(spec.engine_kwargs)
+    if kwargs.get("dtype") == "auto" and not spec.on_gpu:
+        kwargs["dtype"] = engine_dtype("auto", on_gpu=False, cpu_bf16=native_cpu_bf16())
+        logger.info("engine dtype auto -> %s on this CPU", kwargs["dtype"])
+    return kwargs
+
+
 def build_vllm_engine(spec: EngineSpec) -> Any:
-    """`LLMEngine.from_engine_args(EngineArgs(**spec.engine_kwargs))`, keeping this thread's
+    """`LLMEngine.from_engine_args(EngineArgs(**engine_kwargs_here(spec)))`, keeping this thread's
     torch thread count and CPU affinity as the spec asks (engine_thread_affinity)."""
     with engine_thread_affinity(spec):
         threads = spec.env.get("OMP_NUM_THREADS")
@@ -54,7 +76,7 @@ def build_vllm_engine(spec: EngineSpec) -> Any:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine.from_engine_args(EngineArgs(**spec.engine_kwargs))
+        engine = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs_here(spec)))
     bind_segment_rope(engine)
     return engine
 

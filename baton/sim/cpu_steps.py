@@ -48,7 +48,9 @@ def build_engine(core: int) -> Any:
     os.sched_setaffinity(0, {core})
     from vllm import EngineArgs, LLMEngine
 
-    return LLMEngine.from_engine_args(EngineArgs(**spec.engine_kwargs))
+    from baton.engine.vllm_engine import engine_kwargs_here
+
+    return LLMEngine.from_engine_args(EngineArgs(**engine_kwargs_here(spec)))
 
 
 def _run(engine: Any, prompts: list[list[int]], max_tokens: int, tag: str) -> None:

@@ -44,7 +44,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / ".cache" / "models" / "SmolLM2-135M-Instruct"
 BLOCK = 128  # vLLM's CPU KV block size
-SMOLLM2_BYTES_PER_TOKEN = 23_040  # 30 layers × 3 KV heads × 64 dims × (K, V) × 2 bytes (bf16)
+SMOLLM2_ELEMENTS_PER_TOKEN = 11_520  # 30 layers × 3 KV heads × 64 dims × (K, V)
+
+
+def smollm2_bytes_per_token() -> int:
+    """KV bytes per token of the engines here: dtype auto is bf16 (2 bytes) on a CPU that computes it
+    natively, else float32 (4 bytes): 23,040 or 46,080 (baton/engine/args.engine_dtype)."""
+    from baton.engine.vllm_engine import native_cpu_bf16
+
+    return SMOLLM2_ELEMENTS_PER_TOKEN * (2 if native_cpu_bf16() else 4)
 REPLY_TOKENS = 16
 START_TIMEOUT_S = 300.0  # an idle 2-core machine needs ~20 s; generous for a loaded one
 CALL_TIMEOUT_S = 120.0
@@ -327,7 +335,7 @@ def test_the_prefill_returns_plain_kv_transfer_params(handoff: Handoff) -> None:
 def test_the_decode_ledger_counts_exactly_one_transfer_of_every_prompt_block(handoff: Handoff) -> None:
     t = handoff.d_after_decode
     blocks = -(-len(handoff.prompt_ids) // BLOCK)  # the last, partial block moves too
-    assert t.bytes_per_block == BLOCK * SMOLLM2_BYTES_PER_TOKEN
+    assert t.bytes_per_block == BLOCK * smollm2_bytes_per_token()
     assert (t.requests_received, t.blocks_received, t.failures, t.receives_pending) == (1, blocks, 0, 0)
     assert t.bytes_received == blocks * t.bytes_per_block > 0
     assert t.nixl_bytes_read == t.bytes_received  # NIXL's own telemetry agrees

@@ -296,3 +296,32 @@ def test_a_step_trace_is_off_unless_a_folder_is_named_and_then_knows_its_pool() 
     relative = spec_of(engine_paths(EngineConfig(model="m", step_trace_dir="runs/steps"))).step_trace
     assert relative is not None and relative[0] == str(PROJECT_ROOT / "runs" / "steps")  # like every relative path: from the project root
     assert engine_paths(EngineConfig(model="m", step_trace_dir="/abs/steps")).step_trace_dir == "/abs/steps"
+
+
+def test_dtype_auto_is_bf16_only_on_a_cpu_that_computes_it_natively() -> None:
+    from baton.engine.args import engine_dtype
+
+    assert engine_dtype("auto", on_gpu=False, cpu_bf16=True) == "bfloat16"
+    assert engine_dtype("auto", on_gpu=False, cpu_bf16=False) == "float32"
+    assert engine_dtype("auto", on_gpu=True, cpu_bf16=False) == "auto"  # vLLM takes the model's own on a GPU
+    for explicit in ("bfloat16", "float16", "float32"):  # what the user wrote is kept
+        assert engine_dtype(explicit, on_gpu=False, cpu_bf16=False) == explicit
+
+
+def test_auto_dtype_is_resolved_where_the_engine_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from baton.engine import vllm_engine
+
+    cpu = build_engine_spec(EngineConfig(model="m"), role="decode", handoff=False, model_path="/m", on_gpu=False, cache_root="/c")
+    gpu = build_engine_spec(EngineConfig(model="m"), role="decode", handoff=False, model_path="/m", on_gpu=True, cache_root="/c")
+    assert cpu.engine_kwargs["dtype"] == gpu.engine_kwargs["dtype"] == "auto"  # the app's builder does not decide
+    assert not cpu.on_gpu and gpu.on_gpu
+    for native, expected in ((False, "float32"), (True, "bfloat16")):
+        monkeypatch.setattr(vllm_engine, "native_cpu_bf16", lambda native=native: native)
+        kw = vllm_engine.engine_kwargs_here(cpu)
+        assert kw["dtype"] == expected and {k: v for k, v in kw.items() if k != "dtype"} == {
+            k: v for k, v in cpu.engine_kwargs.items() if k != "dtype"}
+        assert vllm_engine.engine_kwargs_here(gpu)["dtype"] == "auto"
+    assert cpu.engine_kwargs["dtype"] == "auto"  # the spec itself is not changed
+    explicit = build_engine_spec(EngineConfig(model="m", dtype="bfloat16"), role="decode", handoff=False, model_path="/m",
+                                 on_gpu=False, cache_root="/c")
+    assert vllm_engine.engine_kwargs_here(explicit)["dtype"] == "bfloat16"

@@ -17,7 +17,10 @@ def test_vllm_serve_gets_the_same_engine_arguments(tmp_path) -> None:
     assert argv[:3] == ["vllm", "serve", str(tmp_path)]
     ns = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[3:])
     args = AsyncEngineArgs.from_cli_args(ns)
-    kw = spec.engine_kwargs
+    from baton.engine.vllm_engine import engine_kwargs_here
+
+    kw = engine_kwargs_here(spec)
+    assert kw["dtype"] in ("bfloat16", "float32")  # `auto` resolved for this CPU, as the other phases' engines
     for field in ("max_model_len", "dtype", "enforce_eager", "enable_prefix_caching", "max_num_seqs", "seed", "kv_cache_memory_bytes"):
         assert getattr(args, field) == kw[field], field
     assert ns.port == 28100
