@@ -33,8 +33,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--served-steps", type=Path, default=None,
                    help="scale only: a `bench conserve` run dir whose engines' step traces time the calibration (instead of --cpu-steps)")
     p.add_argument("--replicas-json", type=Path, default=None, help="scale only: the control-plane measurement ({\"max_replicas\": n})")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                   help="memory only: the engine's dtype (default bfloat16; float32 on a CPU without native bf16)")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default=None,
+                   help="memory only: the engine's dtype (default auto: bfloat16 where the CPU computes it natively, else float32)")
     p.add_argument("--out", type=Path, default=None, help="output dir (default ./runs/bench-<name>-<timestamp>, relative to where you run it)")
     p.set_defaults(func=run_bench)
 

@@ -13,7 +13,7 @@ ROOT = REPO_ROOT
 
 def local_engine(model_path: str | Path, *, max_model_len: int = 4096, kv_cache_gib: float = 1.0, cpu_threads: int = 2,
                  max_num_seqs: int = 16, segments: bool = True, extra_engine_args: dict[str, Any] | None = None,
-                 block_size: int | None = None, dtype: str = "bfloat16") -> EngineRunner:
+                 block_size: int | None = None, dtype: str = "auto") -> EngineRunner:
     from baton.engine.args import build_engine_spec
     from baton.engine.config import EngineConfig
 

@@ -66,7 +66,7 @@ HEADLINE_TAIL = 512  # the tail whose figures the RESULT line carries
 TAIL_KS = (5, 50)  # the ks whose cases carry tail variants (TTFT growth; fidelity at 50)
 
 
-def _runner(model_path: str, dtype: str = "bfloat16") -> Any:
+def _runner(model_path: str, dtype: str = "auto") -> Any:
     from baton.bench.local_engine import local_engine
 
     # max_logprobs -1: fidelity reads each position's distribution over the whole vocabulary.
@@ -238,6 +238,10 @@ async def _main(quick: bool, out_dir: Path, dtype: str) -> dict[str, Any]:
         users.append((name, qas))
         print(f"[memory] {name}: {len(batch.texts)} facts, {len(qas)} questions")
     t0 = time.perf_counter()
+    from baton.engine.args import engine_dtype
+    from baton.engine.vllm_engine import native_cpu_bf16
+
+    dtype = engine_dtype(dtype, on_gpu=False, cpu_bf16=native_cpu_bf16())  # as the engine resolves it
     runner = _runner(model_path, dtype)
     print(f"[memory] engine up in {time.perf_counter() - t0:.1f}s ({dtype})")
     try:
@@ -405,9 +409,9 @@ async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, 
             "fidelity": fidelity, "load_stall": stall}
 
 
-def run(quick: bool, out_dir: Path, dtype: str = "bfloat16") -> dict[str, Any]:
-    """dtype: the engine's (bfloat16 by default; float32 where the CPU has no native bf16: on an
-    AVX2-only x86 CPU vLLM's bf16 prefill measured ~4x slower than float32 with SmolLM2)."""
+def run(quick: bool, out_dir: Path, dtype: str = "auto") -> dict[str, Any]:
+    """dtype: the engine's (auto, as a replica's: bfloat16 where the CPU computes it natively, else
+    float32; the JSON records which)."""
     return asyncio.run(_main(quick, out_dir, dtype))
 
 
