@@ -59,8 +59,8 @@ def engine_config(model: str, device: str) -> Any:
     app = yaml.safe_load(CONFIG.read_text())["applications"][0]["args"]
     fields = dict(app["decode"]["engine"])
     fields.update(model=model, max_model_len=4096, kv_cache_gib=2.0 if device == "cuda" else 1.0, max_num_seqs=16)
-    if device == "cpu":  # CPU: eager only, and the CPU attention kernel's smallest block
-        fields.update(enforce_eager=True, block_size=32, cpu_threads=2)
+    if device == "cpu":  # CPU: eager only, the CPU attention kernel's smallest block, the dtype a CPU replica takes
+        fields.update(enforce_eager=True, block_size=32, cpu_threads=2, dtype="auto")
     return EngineConfig(**fields)
 
 

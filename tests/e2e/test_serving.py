@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -65,9 +66,12 @@ def test_openai_client_multi_turn_with_prefix_cache(baton_url: str) -> None:
     assert replica_2 == replica_1, "a conversation stays on its decode replica"
 
     # later turns are planned from the ingress's pin cache (router/pin_cache.py) and the directory
-    # still counts every one of them (the ingress flushes its turns before GET /v1/conversations)
+    # still counts every one of them (the ingress flushes its turns before GET /v1/conversations).
+    # There are two ingress replicas and /baton/stats shows the one that answers it: keep sending
+    # turns, each after a pin-cache sync period, until that one has planned a turn from its cache.
     sent = 2
-    for t in range(3):
+    for t in range(8):
+        time.sleep(0.6)  # > routing.pin_cache_sync_s (0.5): every ingress has synced the pin
         messages += [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": f"And of country {t}?"}]
         r = httpx.post(f"{baton_url}/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0},
                        headers=headers, timeout=120)
