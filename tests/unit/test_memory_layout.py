@@ -269,7 +269,7 @@ def test_line_tokens_give_the_same_prompt_and_tokenize_each_line_once() -> None:
     first = memory_prompt(counting, MSGS, FACTS, user="alice", model="m", window=2, inject=True, line_tokens=lines)
     assert first == prompt()  # the same ids, injection and salt as tokenizing every line
     n_lines = len({f.text for f in FACTS} | {c for f in FACTS for c in f.context})  # "User lives in Paris" twice
-    assert lines.misses == n_lines == len(lines) and lines.hits == 1
+    assert lines.misses == n_lines == lines.size and lines.hits == 1
     counting.calls.clear()
     again = memory_prompt(counting, MSGS, FACTS, user="alice", model="m", window=2, inject=True, line_tokens=lines)
     assert again == first and lines.misses == n_lines
@@ -282,7 +282,7 @@ def test_line_tokens_forget_the_least_recently_used_line() -> None:
     assert a == tuple(R.text_tokens(fact_line("User lives in Paris"))) and b != a
     lines("User lives in Paris")  # a is now the most recent
     lines("User works at a bakery")  # evicts b
-    assert len(lines) == 2 and (lines.hits, lines.misses) == (1, 3)
+    assert lines.size == 2 and (lines.hits, lines.misses) == (1, 3)
     lines("User owns a cat")
     assert lines.misses == 4
     with pytest.raises(ValueError, match="capacity"):
