@@ -38,12 +38,18 @@ def test_out_dir_is_absolute_and_relative_to_the_caller(recorded: list[Path], tm
         assert got.parent == tmp_path / "runs" and got.name.startswith("bench-fake-")
 
 
-def test_offline_reaches_only_the_checkpoints_bench(recorded: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _fake_bench(monkeypatch: pytest.MonkeyPatch, name: str) -> list[dict]:
+    """Bench `name` replaced by a module that records the extra keyword arguments of each run."""
     calls: list[dict] = []
-    fake = types.ModuleType("fake_checkpoints")
+    fake = types.ModuleType(f"fake_{name}")
     fake.run = lambda quick, out_dir, **kw: calls.append(kw)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "fake_checkpoints", fake)
-    monkeypatch.setitem(commands.BENCHMARKS, "checkpoints", "fake_checkpoints")
+    monkeypatch.setitem(sys.modules, f"fake_{name}", fake)
+    monkeypatch.setitem(commands.BENCHMARKS, name, f"fake_{name}")
+    return calls
+
+
+def test_offline_reaches_only_the_checkpoints_bench(recorded: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_bench(monkeypatch, "checkpoints")
     monkeypatch.chdir(tmp_path)
     args = build_parser().parse_args(["bench", "checkpoints", "--quick", "--offline"])
     assert args.func(args) == 0 and calls == [{"offline": True}]
@@ -54,11 +60,7 @@ def test_offline_reaches_only_the_checkpoints_bench(recorded: list[Path], tmp_pa
 
 
 def test_dtype_reaches_only_the_memory_bench(recorded: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[dict] = []
-    fake = types.ModuleType("fake_memory")
-    fake.run = lambda quick, out_dir, **kw: calls.append(kw)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "fake_memory", fake)
-    monkeypatch.setitem(commands.BENCHMARKS, "memory", "fake_memory")
+    calls = _fake_bench(monkeypatch, "memory")
     monkeypatch.chdir(tmp_path)
     for argv, expected in ((["bench", "memory", "--quick", "--dtype", "float32"], {"dtype": "float32"}),
                            (["bench", "memory", "--quick"], {})):
