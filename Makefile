@@ -11,13 +11,13 @@ lint: setup
 	.venv/bin/ruff check .
 
 test: lint
-	.venv/bin/python -m pytest tests -q -p no:cacheprovider
+	.venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=25
 
 test-unit: lint
 	.venv/bin/python -m pytest tests/unit -q -p no:cacheprovider
 
 test-e2e: setup
-	.venv/bin/python -m pytest tests/e2e -q -p no:cacheprovider
+	.venv/bin/python -m pytest tests/e2e -q -p no:cacheprovider --durations=25
 
 # re-pin constraints.txt to what .venv now holds (after changing a dependency and running setup)
 lock:

@@ -35,6 +35,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--replicas-json", type=Path, default=None, help="scale only: the control-plane measurement ({\"max_replicas\": n})")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default=None,
                    help="memory only: the engine's dtype (default auto: bfloat16 where the CPU computes it natively, else float32)")
+    p.add_argument("--fidelity-only", action="store_true",
+                   help="memory only: only the fidelity phase (top-1 agreement and KL against prompt injection), no timings")
     p.add_argument("--out", type=Path, default=None, help="output dir (default ./runs/bench-<name>-<timestamp>, relative to where you run it)")
     p.set_defaults(func=run_bench)
 
@@ -53,6 +55,10 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.name != "memory":
             raise SystemExit("--dtype is only for `baton bench memory`")
         extra["dtype"] = args.dtype
+    if getattr(args, "fidelity_only", False):
+        if args.name != "memory":
+            raise SystemExit("--fidelity-only is only for `baton bench memory`")
+        extra["fidelity_only"] = True
     scale_only = {k: getattr(args, k, None) for k in ("calibrate", "cpu_steps", "served_steps", "replicas_json")}
     if any(v is not None for v in scale_only.values()):
         if args.name != "scale":

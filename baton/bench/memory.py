@@ -18,7 +18,8 @@ Measured, for k in {5, 10, 20, 50}:
   prepares each request's KV inside the timed run, as a replica does);
 - fidelity at k = 10 and k = 50 (baton/bench/memory_fidelity.py): top-1 agreement with prompt
   injection and mean per-position KL(prompt || kv) over the whole vocabulary, top-1 accuracy along
-  the reference answer, for the default window w and w = 0; answers' token-F1 at k = 10;
+  the reference answer, for the default window w (MemoryConfig.context_window) and each window of
+  COMPARED_WINDOWS (w = 0: each fact encoded alone); answers' token-F1 at k = 10;
 - the recompute tail (MemoryConfig.recompute_tail_tokens) for R in RECOMPUTE_TAILS: the same
   prompts with their last facts (>= R tokens) computed instead of injected, as the ingress lays
   them out; engine TTFT at k = 5 and 50 (interleaved with the modes above) and fidelity at k = 50,
@@ -50,6 +51,7 @@ from typing import Any
 
 from baton.bench.stats import quantile
 from baton.paths import REPO_ROOT
+from memory_store.config import MemoryConfig
 
 ROOT = REPO_ROOT
 LOCOMO = ROOT.parent / "shared" / "data" / "locomo"
@@ -58,7 +60,8 @@ FIDELITY_K = 10  # the headline k of fidelity_ratio and of answers' F1
 FIDELITY_KS = (10, 50)
 SERVICE_KS = (5, 50)
 SERVICE_CONCURRENCY = 16
-DEFAULT_WINDOW = 2
+DEFAULT_WINDOW: int = MemoryConfig.model_fields["context_window"].default  # what a served replica encodes with
+COMPARED_WINDOWS = tuple(w for w in (0, 2) if w != DEFAULT_WINDOW)  # fidelity beside the default's
 HIT_BLOCK_SIZE = 32
 STALL_TRIALS = 5  # per mode, interleaved
 RECOMPUTE_TAILS = (128, 512)  # tokens of the memory block computed instead of injected (kv_tail<R>)
@@ -211,7 +214,7 @@ class _Renderer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
 
-async def _main(quick: bool, out_dir: Path, dtype: str) -> dict[str, Any]:
+async def _main(quick: bool, out_dir: Path, dtype: str, fidelity_only: bool = False) -> dict[str, Any]:
     from baton.engine.args import resolve_model_path
     from memory_store.config import MemoryConfig
     from memory_store.db import FactStore
@@ -245,16 +248,23 @@ async def _main(quick: bool, out_dir: Path, dtype: str) -> dict[str, Any]:
     runner = _runner(model_path, dtype)
     print(f"[memory] engine up in {time.perf_counter() - t0:.1f}s ({dtype})")
     try:
-        report = await _measure(runner, renderer, svc, users, quick, convs, n_q, reps, concurrency)
+        if fidelity_only:
+            report = await _fidelity_only(runner, renderer, svc, users, quick, convs, n_q)
+        else:
+            report = await _measure(runner, renderer, svc, users, quick, convs, n_q, reps, concurrency)
+            report["service"] = await _service(runner, renderer, cfg, tmp / "facts.sqlite3", users, reps)
         report["dtype"] = dtype
-        report["service"] = await _service(runner, renderer, cfg, tmp / "facts.sqlite3", users, reps)
     finally:
         runner.shutdown()
-    report["result"] = run_result(report["by_k"], report["fidelity"], report["service"], report["load_stall"])
+    if fidelity_only:
+        report["result"] = fidelity_result(report["fidelity"])
+    else:
+        report["result"] = run_result(report["by_k"], report["fidelity"], report["service"], report["load_stall"])
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "memory.json").write_text(json.dumps(report, indent=2))
-    _plot(report, out_dir / "memory.png")
-    print(f"[memory] wrote {out_dir / 'memory.json'} and {out_dir / 'memory.png'}")
+    if not fidelity_only:
+        _plot(report, out_dir / "memory.png")
+    print(f"[memory] wrote {out_dir / 'memory.json'}" + ("" if fidelity_only else f" and {out_dir / 'memory.png'}"))
     print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in report["result"].items()))
     return report
 
@@ -289,47 +299,66 @@ def run_result(by_k: dict[str, Any], fidelity: dict[str, Any], service: dict[str
     def p50(k: int, mode: str) -> float:
         return by_k[str(k)]["ttft"][mode]["p50_s"]
 
-    def fid(k: int, mode: str, key: str) -> float:
-        return fidelity[str(k)][mode][key]
-
     kv_growth, hit_growth = p50(50, "kv") / p50(5, "kv"), p50(50, "hit") / p50(5, "hit")
-    base = fid(FIDELITY_K, "prompt", "top1_accuracy") or float("nan")
-    w = f"kv_w{DEFAULT_WINDOW}"
     pull = {k: service[str(k)]["concurrency_1"]["pull"]["p50_s"] for k in SERVICE_KS}
     ray = {k: service[str(k)]["concurrency_1"]["pull_ray"]["p50_s"] for k in SERVICE_KS}
+    fid = fidelity_result(fidelity)
+    headline = ("top1_agreement_k50", "kl_k50", "fidelity_ratio")
     return {
         "kv_ttft_growth_k50_over_k5": kv_growth,
         "hit_ttft_growth_k50_over_k5": hit_growth,
         "kv_over_hit_growth": kv_growth / hit_growth,
         "prompt_ttft_growth_k50_over_k5": p50(50, "prompt") / p50(5, "prompt"),
         "ttft_speedup_k50": p50(50, "prompt") / p50(50, "kv"),
-        "top1_agreement_k50": fid(50, w, "top1_agreement_with_prompt"),
-        "kl_k50": fid(50, w, "kl_to_prompt_mean"),
-        "fidelity_ratio": fid(FIDELITY_K, w, "top1_accuracy") / base,
+    } | {key: fid[key] for key in headline} | {
         "service_ttft_growth_k50_over_k5": pull[50] / pull[5],
         "service_ray_ttft_growth_k50_over_k5": ray[50] / ray[5],
-        "top1_agreement_k50_w0": fid(50, "kv_w0", "top1_agreement_with_prompt"),
-        "kl_k50_w0": fid(50, "kv_w0", "kl_to_prompt_mean"),
-        "fidelity_ratio_w0": fid(FIDELITY_K, "kv_w0", "top1_accuracy") / base,
-    } | _tail_result(by_k, fidelity, hit_growth) | ({} if load_stall is None else {
-        "load_stall_gap_p95_ratio_async_over_sync": stall_ratio(load_stall),
-        "load_stall_case_ttft_ratio_async_over_sync": (load_stall["async"]["case_ttft"]["p50_ms"]
-                                                       / load_stall["sync"]["case_ttft"]["p50_ms"]),
-    })
+    } | {key: v for key, v in fid.items() if key not in headline and "_tail" not in key} | _tail_result(
+        by_k, fidelity, hit_growth) | ({} if load_stall is None else {
+            "load_stall_gap_p95_ratio_async_over_sync": stall_ratio(load_stall),
+            "load_stall_case_ttft_ratio_async_over_sync": (load_stall["async"]["case_ttft"]["p50_ms"]
+                                                           / load_stall["sync"]["case_ttft"]["p50_ms"]),
+        })
+
+
+def fidelity_result(fidelity: dict[str, Any]) -> dict[str, float]:
+    """Pure: the fidelity figures of the RESULT line (all of `--fidelity-only`'s): the default
+    window's at k = 50 and its accuracy ratio at FIDELITY_K, the same for each compared window, and
+    the headline recompute tail's at k = 50 when it was measured."""
+    def fid(k: int, mode: str, key: str) -> float:
+        return fidelity[str(k)][mode][key]
+
+    base = fid(FIDELITY_K, "prompt", "top1_accuracy") or float("nan")
+    out = {}
+    for o, suffix in ((DEFAULT_WINDOW, ""), *((o, f"_w{o}") for o in _compared_windows(fidelity))):
+        out |= {f"top1_agreement_k50{suffix}": fid(50, f"kv_w{o}", "top1_agreement_with_prompt"),
+                f"kl_k50{suffix}": fid(50, f"kv_w{o}", "kl_to_prompt_mean"),
+                f"fidelity_ratio{suffix}": fid(FIDELITY_K, f"kv_w{o}", "top1_accuracy") / base}
+    tail = fidelity["50"].get(f"kv_w{DEFAULT_WINDOW}_tail{HEADLINE_TAIL}")
+    if tail is not None:
+        out |= {f"top1_agreement_k50_tail{HEADLINE_TAIL}": tail["top1_agreement_with_prompt"],
+                f"kl_k50_tail{HEADLINE_TAIL}": tail["kl_to_prompt_mean"]}
+    return out
+
+
+def _compared_windows(fidelity: dict[str, Any]) -> list[int]:
+    """Pure: the windows besides the default that the report's fidelity at k = 50 measured, ascending."""
+    found = (m.removeprefix("kv_w") for m in fidelity["50"] if m.startswith("kv_w") and "_" not in m.removeprefix("kv_w"))
+    return sorted(w for w in map(int, found) if w != DEFAULT_WINDOW)
 
 
 def _tail_result(by_k: dict[str, Any], fidelity: dict[str, Any], hit_growth: float) -> dict[str, float]:
     """Pure: the headline recompute tail's figures (none in a report measured without tails): its
     fidelity at k = 50, its TTFT growth over a cache hit's, and its TTFT at k = 50 over plain KV's."""
-    t, w = HEADLINE_TAIL, f"kv_w{DEFAULT_WINDOW}"
+    t = HEADLINE_TAIL
     mode = f"kv_tail{t}"
     if mode not in by_k["50"]["ttft"]:
         return {}
     kv50, tail5, tail50 = (by_k[k]["ttft"][m]["p50_s"] for k, m in (("50", "kv"), ("5", mode), ("50", mode)))
-    fid = fidelity["50"][f"{w}_tail{t}"]
+    fid = fidelity_result(fidelity)
     return {
-        f"top1_agreement_k50_tail{t}": fid["top1_agreement_with_prompt"],
-        f"kl_k50_tail{t}": fid["kl_to_prompt_mean"],
+        f"top1_agreement_k50_tail{t}": fid[f"top1_agreement_k50_tail{t}"],
+        f"kl_k50_tail{t}": fid[f"kl_k50_tail{t}"],
         f"tail{t}_over_hit_growth": tail50 / tail5 / hit_growth,
         f"tail{t}_ttft_k50_over_kv": tail50 / kv50,
     }
@@ -337,7 +366,7 @@ def _tail_result(by_k: dict[str, Any], fidelity: dict[str, Any], hit_growth: flo
 
 async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, list[Any]]], quick: bool,
                    convs: list[str], n_q: int, reps: int, concurrency: int) -> dict[str, Any]:
-    from baton.bench import memory_async, memory_fidelity
+    from baton.bench import memory_async
     from kv_transfer.segment_stats import segment_stats
     from memory_store.resolver import SegmentResolver
 
@@ -387,13 +416,28 @@ async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, 
               f"max {g['max_ms']:.0f} ms (before: p50 {b['p50_ms']:.0f} ms); case TTFT p50 {t['p50_ms']:.0f} ms, "
               f"p95 {t['p95_ms']:.0f} ms; gap p95 per trial {', '.join(f'{x:.0f}' for x in stall[mode]['stream_gap_p95_ms_per_trial'])}",
               flush=True)
+    fidelity = await _fidelity(runner, renderer, svc, users, resolver, cases_k)
+    return {"quick": quick, "conversations": convs, "questions_per_conversation": n_q, "reps": reps,
+            "window": DEFAULT_WINDOW, "compared_windows": list(COMPARED_WINDOWS), "recompute_tails": list(RECOMPUTE_TAILS),
+            "by_k": {str(k): v for k, v in by_k.items()}, "fidelity_k": FIDELITY_K,
+            "fidelity": fidelity, "load_stall": stall}
+
+
+async def _fidelity(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, list[Any]]], resolver: Any,
+                    cases_k: dict[int, list[_Case]]) -> dict[str, Any]:
+    """Fidelity at each k of FIDELITY_KS: prompt injection, the default window's KV (`cases_k[k]`, with
+    its recompute tails at the ks of TAIL_KS), and KV of each window of COMPARED_WINDOWS (built here)."""
+    from baton.bench import memory_fidelity
+
     fidelity: dict[str, Any] = {}
     for k in FIDELITY_KS:
-        w0: list[_Case] = []
-        for user, qas in users:
-            cs, _, _ = await _build_cases(runner, renderer, svc, user, qas, k, 0, resolver)
-            w0 += cs
-        modes = {"prompt": cases_k[k], f"kv_w{DEFAULT_WINDOW}": cases_k[k], "kv_w0": w0}
+        modes = {"prompt": cases_k[k], f"kv_w{DEFAULT_WINDOW}": cases_k[k]}
+        for w in COMPARED_WINDOWS:
+            other: list[_Case] = []
+            for user, qas in users:
+                cs, _, _ = await _build_cases(runner, renderer, svc, user, qas, k, w, resolver)
+                other += cs
+            modes[f"kv_w{w}"] = other
         if k in TAIL_KS:
             modes |= {f"kv_w{DEFAULT_WINDOW}_tail{t}": [c.tails[t] for c in cases_k[k]] for t in RECOMPUTE_TAILS}
         scores = await memory_fidelity.measure(runner, renderer, modes, with_f1=k == FIDELITY_K)
@@ -403,16 +447,34 @@ async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, 
             print(f"[memory] fidelity k={k} {m:>13}: top-1 agreement with prompt {f.top1_agreement_with_prompt:.3f}, "
                   f"KL {f.kl_to_prompt_mean:.4f} nats (p95 {f.kl_to_prompt_p95:.4f}),{f1} top-1 along reference "
                   f"{f.top1_accuracy:.3f} ({f.positions} positions)", flush=True)
-    return {"quick": quick, "conversations": convs, "questions_per_conversation": n_q, "reps": reps,
-            "window": DEFAULT_WINDOW, "recompute_tails": list(RECOMPUTE_TAILS), "by_k": {str(k): v for k, v in by_k.items()},
-            "fidelity_k": FIDELITY_K,
-            "fidelity": fidelity, "load_stall": stall}
+    return fidelity
 
 
-def run(quick: bool, out_dir: Path, dtype: str = "auto") -> dict[str, Any]:
+async def _fidelity_only(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, list[Any]]], quick: bool,
+                         convs: list[str], n_q: int) -> dict[str, Any]:
+    """Only the fidelity phase (`--fidelity-only`): the same cases and scores as a whole run's, in
+    minutes instead of the TTFT sweep's hours on a slow CPU; no timing is claimed."""
+    from memory_store.resolver import SegmentResolver
+
+    resolver = SegmentResolver(runner, store=None, local_capacity_bytes=4 << 30)
+    cases_k: dict[int, list[_Case]] = {}
+    for k in FIDELITY_KS:
+        cases_k[k] = []
+        for user, qas in users:
+            cs, _, _ = await _build_cases(runner, renderer, svc, user, qas, k, DEFAULT_WINDOW, resolver,
+                                          RECOMPUTE_TAILS if k in TAIL_KS else ())
+            cases_k[k] += cs
+    fidelity = await _fidelity(runner, renderer, svc, users, resolver, cases_k)
+    return {"quick": quick, "fidelity_only": True, "conversations": convs, "questions_per_conversation": n_q,
+            "window": DEFAULT_WINDOW, "compared_windows": list(COMPARED_WINDOWS), "recompute_tails": list(RECOMPUTE_TAILS),
+            "fidelity_k": FIDELITY_K, "fidelity": fidelity}
+
+
+def run(quick: bool, out_dir: Path, dtype: str = "auto", fidelity_only: bool = False) -> dict[str, Any]:
     """dtype: the engine's (auto, as a replica's: bfloat16 where the CPU computes it natively, else
-    float32; the JSON records which)."""
-    return asyncio.run(_main(quick, out_dir, dtype))
+    float32; the JSON records which). fidelity_only: only the fidelity phase (its RESULT carries
+    fidelity_result's figures)."""
+    return asyncio.run(_main(quick, out_dir, dtype, fidelity_only))
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:

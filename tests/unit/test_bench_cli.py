@@ -72,3 +72,14 @@ def test_dtype_reaches_only_the_memory_bench(recorded: list[Path], tmp_path: Pat
     assert not recorded
     with pytest.raises(SystemExit):  # not a dtype the bench takes
         build_parser().parse_args(["bench", "memory", "--dtype", "int8"])
+
+
+def test_fidelity_only_reaches_only_the_memory_bench(recorded: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_bench(monkeypatch, "memory")
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["bench", "memory", "--fidelity-only", "--dtype", "float32"])
+    assert args.func(args) == 0 and calls == [{"dtype": "float32", "fidelity_only": True}]
+    args = build_parser().parse_args(["bench", "fake", "--fidelity-only"])
+    with pytest.raises(SystemExit, match="only for `baton bench memory`"):
+        args.func(args)
+    assert not recorded

@@ -77,7 +77,7 @@ def _report(kv50: float = 0.2, hit50: float = 0.1) -> tuple[dict, dict, dict]:
 
     def modes(agree: float, kl: float, acc: float) -> dict:
         return {"prompt": {"top1_accuracy": 0.5, "top1_agreement_with_prompt": 1.0, "kl_to_prompt_mean": 0.0},
-                "kv_w2": {"top1_accuracy": acc, "top1_agreement_with_prompt": agree, "kl_to_prompt_mean": kl},
+                f"kv_w{memory.DEFAULT_WINDOW}": {"top1_accuracy": acc, "top1_agreement_with_prompt": agree, "kl_to_prompt_mean": kl},
                 "kv_w0": {"top1_accuracy": acc / 2, "top1_agreement_with_prompt": agree / 2, "kl_to_prompt_mean": 2 * kl}}
 
     fidelity = {"10": modes(0.95, 0.05, 0.45), "50": modes(0.9, 0.1, 0.4)}
@@ -98,6 +98,20 @@ def test_result_line_from_a_report():
     assert r["fidelity_ratio"] == pytest.approx(0.9)  # at k = 10: 0.45 / 0.5
     assert r["service_ttft_growth_k50_over_k5"] == pytest.approx(3.0)
     assert r["service_ray_ttft_growth_k50_over_k5"] == pytest.approx(3.0)
+
+
+def test_result_line_carries_every_compared_window_and_only_those():
+    by_k, fidelity, service = _report()
+    assert [k for k in memory.run_result(by_k, fidelity, service) if k.startswith("top1_agreement_k50_w")] == ["top1_agreement_k50_w0"]
+    for k, agree in (("10", 0.7), ("50", 0.6)):
+        fidelity[k]["kv_w7"] = {"top1_accuracy": 0.25, "top1_agreement_with_prompt": agree, "kl_to_prompt_mean": 0.3}
+    fidelity["50"][f"kv_w{memory.DEFAULT_WINDOW}_tail512"] = {"top1_agreement_with_prompt": 1.0, "kl_to_prompt_mean": 0.0}  # not a window
+    r = memory.run_result(by_k, fidelity, service)
+    assert [k for k in r if k.startswith("top1_agreement_k50_w")] == ["top1_agreement_k50_w0", "top1_agreement_k50_w7"]
+    assert r["top1_agreement_k50_w7"] == 0.6 and r["kl_k50_w7"] == 0.3
+    assert r["fidelity_ratio_w7"] == pytest.approx(0.5)  # at k = 10: 0.25 / 0.5
+    assert r["top1_agreement_k50"] == 0.9  # the default window's figure is the headline
+    assert memory.DEFAULT_WINDOW not in memory.COMPARED_WINDOWS and 0 in memory.COMPARED_WINDOWS
 
 
 def test_result_fails_when_injection_grows_faster_than_a_cache_hit():
@@ -175,9 +189,20 @@ def test_result_line_carries_the_recompute_tail_when_measured():
     assert "top1_agreement_k50_tail512" not in memory.run_result(by_k, fidelity, service)  # not measured: not claimed
     by_k["5"]["ttft"]["kv_tail512"] = {"p50_s": 0.2}
     by_k["50"]["ttft"]["kv_tail512"] = {"p50_s": 0.6}  # grows 3x, against a hit's 2x
-    fidelity["50"]["kv_w2_tail512"] = {"top1_accuracy": 0.45, "top1_agreement_with_prompt": 0.95, "kl_to_prompt_mean": 0.03}
+    fidelity["50"][f"kv_w{memory.DEFAULT_WINDOW}_tail512"] = {"top1_accuracy": 0.45, "top1_agreement_with_prompt": 0.95, "kl_to_prompt_mean": 0.03}
     r = memory.run_result(by_k, fidelity, service)
     assert r["top1_agreement_k50_tail512"] == 0.95 and r["kl_k50_tail512"] == 0.03
     assert r["tail512_over_hit_growth"] == pytest.approx(1.5)
     assert r["tail512_ttft_k50_over_kv"] == pytest.approx(3.0)  # 0.6 s against plain KV's 0.2 s
     assert r["top1_agreement_k50"] == 0.9  # the plain injection's figure is still the headline's
+
+
+def test_fidelity_only_result_is_the_full_results_fidelity_figures():
+    by_k, fidelity, service = _report()
+    fidelity["50"][f"kv_w{memory.DEFAULT_WINDOW}_tail512"] = {"top1_agreement_with_prompt": 0.95, "kl_to_prompt_mean": 0.03}
+    fid = memory.fidelity_result(fidelity)
+    assert list(fid) == ["top1_agreement_k50", "kl_k50", "fidelity_ratio", "top1_agreement_k50_w0", "kl_k50_w0",
+                         "fidelity_ratio_w0", "top1_agreement_k50_tail512", "kl_k50_tail512"]
+    full = memory.run_result(by_k, fidelity, service)  # no tail TTFT measured: the full line leaves the tail out
+    assert {k: v for k, v in fid.items() if "tail" not in k} == {k: full[k] for k in fid if "tail" not in k}
+    assert fid["top1_agreement_k50_w0"] == pytest.approx(0.45) and fid["fidelity_ratio"] == pytest.approx(0.9)
