@@ -384,7 +384,7 @@ async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, 
                                            RECOMPUTE_TAILS if k in TAIL_KS else ())
             cases += cs
             enc_s, prep_s = enc_s + e, prep_s + pr
-        if k in (KS[0], KS[-1], *FIDELITY_KS):  # kept for throughput and fidelity (each case holds its prepared KV)
+        if k in (KS[0], KS[-1]):  # kept for throughput and the stall phase (each case holds its prepared KV)
             cases_k[k] = cases
         before = segment_stats()
         ttft = await _ttft(runner, cases, reps)
@@ -416,31 +416,34 @@ async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, 
               f"max {g['max_ms']:.0f} ms (before: p50 {b['p50_ms']:.0f} ms); case TTFT p50 {t['p50_ms']:.0f} ms, "
               f"p95 {t['p95_ms']:.0f} ms; gap p95 per trial {', '.join(f'{x:.0f}' for x in stall[mode]['stream_gap_p95_ms_per_trial'])}",
               flush=True)
-    fidelity = await _fidelity(runner, renderer, svc, users, resolver, cases_k)
+    fidelity = await _fidelity(runner, renderer, svc, users, resolver)
     return {"quick": quick, "conversations": convs, "questions_per_conversation": n_q, "reps": reps,
             "window": DEFAULT_WINDOW, "compared_windows": list(COMPARED_WINDOWS), "recompute_tails": list(RECOMPUTE_TAILS),
             "by_k": {str(k): v for k, v in by_k.items()}, "fidelity_k": FIDELITY_K,
             "fidelity": fidelity, "load_stall": stall}
 
 
-async def _fidelity(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, list[Any]]], resolver: Any,
-                    cases_k: dict[int, list[_Case]]) -> dict[str, Any]:
-    """Fidelity at each k of FIDELITY_KS: prompt injection, the default window's KV (`cases_k[k]`, with
-    its recompute tails at the ks of TAIL_KS), and KV of each window of COMPARED_WINDOWS (built here)."""
+async def _fidelity(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, list[Any]]], resolver: Any) -> dict[str, Any]:
+    """Fidelity at each k of FIDELITY_KS: prompt injection, the default window's KV (with its
+    recompute tails at the ks of TAIL_KS), and KV of each window of COMPARED_WINDOWS. One question
+    at a time: its cases are built, scored and dropped (a k = 50 case holds its prepared KV, ~128 MB
+    in float32, and a full run has 36 questions of six modes)."""
     from baton.bench import memory_fidelity
 
     fidelity: dict[str, Any] = {}
     for k in FIDELITY_KS:
-        modes = {"prompt": cases_k[k], f"kv_w{DEFAULT_WINDOW}": cases_k[k]}
-        for w in COMPARED_WINDOWS:
-            other: list[_Case] = []
-            for user, qas in users:
-                cs, _, _ = await _build_cases(runner, renderer, svc, user, qas, k, w, resolver)
-                other += cs
-            modes[f"kv_w{w}"] = other
-        if k in TAIL_KS:
-            modes |= {f"kv_w{DEFAULT_WINDOW}_tail{t}": [c.tails[t] for c in cases_k[k]] for t in RECOMPUTE_TAILS}
-        scores = await memory_fidelity.measure(runner, renderer, modes, with_f1=k == FIDELITY_K)
+        tally = memory_fidelity.Tally()
+        tails = RECOMPUTE_TAILS if k in TAIL_KS else ()
+        for user, qas in users:
+            for qa in qas:
+                (case,), _, _ = await _build_cases(runner, renderer, svc, user, [qa], k, DEFAULT_WINDOW, resolver, tails)
+                modes = {"prompt": case, f"kv_w{DEFAULT_WINDOW}": case}
+                for w in COMPARED_WINDOWS:
+                    (modes[f"kv_w{w}"],), _, _ = await _build_cases(runner, renderer, svc, user, [qa], k, w, resolver)
+                modes |= {f"kv_w{DEFAULT_WINDOW}_tail{t}": case.tails[t] for t in tails}
+                await memory_fidelity.measure_question(runner, renderer, modes, tally, with_f1=k == FIDELITY_K)
+                del case, modes
+        scores = tally.scores()
         fidelity[str(k)] = {m: f.as_json() for m, f in scores.items()}
         for m, f in scores.items():
             f1 = f" answer F1 {f.answer_f1:.3f}," if f.answer_f1 is not None else ""
@@ -457,14 +460,7 @@ async def _fidelity_only(runner: Any, renderer: Any, svc: Any, users: list[tuple
     from memory_store.resolver import SegmentResolver
 
     resolver = SegmentResolver(runner, store=None, local_capacity_bytes=4 << 30)
-    cases_k: dict[int, list[_Case]] = {}
-    for k in FIDELITY_KS:
-        cases_k[k] = []
-        for user, qas in users:
-            cs, _, _ = await _build_cases(runner, renderer, svc, user, qas, k, DEFAULT_WINDOW, resolver,
-                                          RECOMPUTE_TAILS if k in TAIL_KS else ())
-            cases_k[k] += cs
-    fidelity = await _fidelity(runner, renderer, svc, users, resolver, cases_k)
+    fidelity = await _fidelity(runner, renderer, svc, users, resolver)
     return {"quick": quick, "fidelity_only": True, "conversations": convs, "questions_per_conversation": n_q,
             "window": DEFAULT_WINDOW, "compared_windows": list(COMPARED_WINDOWS), "recompute_tails": list(RECOMPUTE_TAILS),
             "fidelity_k": FIDELITY_K, "fidelity": fidelity}

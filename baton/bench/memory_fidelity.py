@@ -70,26 +70,68 @@ class ModeScore:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class Position:
+    """One scored position of one mode: its top token is the reference's (correct), is prompt
+    mode's (agrees), and KL(prompt || mode) there."""
+    correct: bool
+    agrees: bool
+    kl: float
+
+
+class Tally:
+    """Per mode, the positions scored so far. Distributions are reduced to Positions as each
+    question's arrive: a whole-vocabulary distribution is megabytes as a dict, so a full run that
+    kept them all would not fit in memory."""
+
+    def __init__(self) -> None:
+        self._positions: dict[str, list[Position]] = {}
+        self._f1s: dict[str, list[float]] = {}
+
+    def add(self, dists: Mapping[str, Sequence[Mapping[int, float]]], refs: Sequence[int],
+            f1s: Mapping[str, float] | None = None) -> None:
+        """One question: per mode its distributions at the same positions as dists["prompt"] (refs:
+        the reference token at each); every question must bring the same modes."""
+        base = dists["prompt"]
+        if self._positions and set(dists) != set(self._positions):
+            raise ValueError(f"modes {sorted(dists)} differ from the earlier questions' {sorted(self._positions)}")
+        for mode, ds in dists.items():
+            if len(ds) != len(base) or len(refs) != len(base):
+                raise ValueError(f"mode {mode} has {len(ds)} positions, prompt {len(base)}, refs {len(refs)}")
+        for mode, ds in dists.items():
+            self._positions.setdefault(mode, []).extend(
+                Position(top1(d) == r, top1(d) == top1(b), kl_divergence(b, d)) for d, b, r in zip(ds, base, refs, strict=True))
+            if f1s is not None and mode in f1s:
+                self._f1s.setdefault(mode, []).append(f1s[mode])
+
+    def scores(self) -> dict[str, ModeScore]:
+        out = {}
+        for mode, ps in self._positions.items():
+            kls = sorted(p.kl for p in ps)
+            n = max(1, len(ps))
+            f1s = self._f1s.get(mode)
+            out[mode] = ModeScore(
+                positions=len(ps),
+                top1_accuracy=sum(p.correct for p in ps) / n,
+                top1_agreement_with_prompt=sum(p.agrees for p in ps) / n,
+                kl_to_prompt_mean=sum(kls) / n,
+                kl_to_prompt_p95=kls[max(0, math.ceil(0.95 * len(kls)) - 1)] if kls else float("nan"),
+                answer_f1=(sum(f1s) / len(f1s)) if f1s else None,
+            )
+        return out
+
+
 def score_modes(dists: Mapping[str, Sequence[Mapping[int, float]]], refs: Sequence[int],
                 f1s: Mapping[str, Sequence[float]] | None = None) -> dict[str, ModeScore]:
     """Pure: per mode, its distributions at the same positions as dists["prompt"] (refs: the
-    reference token at each position)."""
-    base = dists["prompt"]
-    out = {}
-    for mode, ds in dists.items():
-        if len(ds) != len(base) or len(refs) != len(base):
-            raise ValueError(f"mode {mode} has {len(ds)} positions, prompt {len(base)}, refs {len(refs)}")
-        kls = sorted(kl_divergence(b, d) for b, d in zip(base, ds, strict=True))
-        n = max(1, len(ds))
-        out[mode] = ModeScore(
-            positions=len(ds),
-            top1_accuracy=sum(top1(d) == r for d, r in zip(ds, refs, strict=True)) / n,
-            top1_agreement_with_prompt=sum(top1(d) == top1(b) for d, b in zip(ds, base, strict=True)) / n,
-            kl_to_prompt_mean=sum(kls) / n,
-            kl_to_prompt_p95=kls[max(0, math.ceil(0.95 * len(kls)) - 1)] if kls else float("nan"),
-            answer_f1=(sum(f1s[mode]) / max(1, len(f1s[mode]))) if f1s and mode in f1s else None,
-        )
-    return out
+    reference token at each position), scored as one question."""
+    tally = Tally()
+    tally.add(dists, refs)
+    scores = tally.scores()
+    if f1s:
+        scores = {m: dataclasses.replace(sc, answer_f1=sum(f1s[m]) / max(1, len(f1s[m])) if m in f1s else None)
+                  for m, sc in scores.items()}
+    return scores
 
 
 async def _distribution(runner: Any, ids: Sequence[int], segs: Any, salt: str) -> dict[int, float]:
@@ -117,23 +159,17 @@ async def _answer(runner: Any, ids: Sequence[int], segs: Any, max_tokens: int) -
     return out
 
 
-async def measure(runner: Any, renderer: Any, modes: Mapping[str, Sequence[Any]], with_f1: bool) -> dict[str, ModeScore]:
-    """modes: name -> cases (each with .prompt.token_ids, .prepared_kv, .answer); "prompt" is the reference
-    and its cases' KV is not used. All modes' cases are the same questions in the same order."""
-    dists: dict[str, list[dict[int, float]]] = {m: [] for m in modes}
-    f1s: dict[str, list[float]] = {m: [] for m in modes}
-    refs: list[int] = []
-    n = len(modes["prompt"])
-    for i in range(n):
-        ref = renderer.text_tokens(modes["prompt"][i].answer)[:ANSWER_POSITIONS]
-        refs += ref
-        for m, cases in modes.items():
-            c = cases[i]
-            segs = None if m == "prompt" else c.prepared_kv
-            salt = uuid.uuid4().hex
-            for j in range(len(ref)):
-                dists[m].append(await _distribution(runner, tuple(c.prompt.token_ids) + tuple(ref[:j]), segs, salt))
-            if with_f1:
-                out = await _answer(runner, c.prompt.token_ids, segs, 24)
-                f1s[m].append(f1(renderer.decode(out), c.answer))
-    return score_modes(dists, refs, f1s if with_f1 else None)
+async def measure_question(runner: Any, renderer: Any, cases: Mapping[str, Any], tally: Tally, with_f1: bool) -> None:
+    """One question: cases maps mode -> its case (.prompt.token_ids, .prepared_kv, .answer); "prompt"
+    is the reference and its case's KV is not used. Scored into `tally`."""
+    ref = renderer.text_tokens(cases["prompt"].answer)[:ANSWER_POSITIONS]
+    dists: dict[str, list[dict[int, float]]] = {}
+    f1s: dict[str, float] = {}
+    for m, c in cases.items():
+        segs = None if m == "prompt" else c.prepared_kv
+        salt = uuid.uuid4().hex
+        dists[m] = [await _distribution(runner, tuple(c.prompt.token_ids) + tuple(ref[:j]), segs, salt) for j in range(len(ref))]
+        if with_f1:
+            out = await _answer(runner, c.prompt.token_ids, segs, 24)
+            f1s[m] = f1(renderer.decode(out), c.answer)
+    tally.add(dists, ref, f1s if with_f1 else None)

@@ -55,6 +55,51 @@ def test_score_modes_refuses_modes_scored_at_different_positions():
         score_modes({"prompt": [a, a], "kv": [a]}, refs=[0, 0])
 
 
+def test_a_tally_over_questions_scores_as_their_positions_together():
+    a, b = _dist({0: 0.9, 1: 0.1}), _dist({0: 0.1, 1: 0.9})
+    tally = memory_fidelity.Tally()
+    tally.add({"prompt": [a, a], "kv": [a, b]}, refs=[0, 0], f1s={"prompt": 1.0, "kv": 0.0})
+    tally.add({"prompt": [b], "kv": [b]}, refs=[0], f1s={"prompt": 0.5, "kv": 0.5})
+    got = tally.scores()
+    whole = score_modes({"prompt": [a, a, b], "kv": [a, b, b]}, refs=[0, 0, 0])
+    for m in ("prompt", "kv"):
+        assert (got[m].positions, got[m].top1_accuracy, got[m].top1_agreement_with_prompt) == (
+            whole[m].positions, whole[m].top1_accuracy, whole[m].top1_agreement_with_prompt)
+        assert got[m].kl_to_prompt_mean == pytest.approx(whole[m].kl_to_prompt_mean)
+    assert got["kv"].answer_f1 == 0.25 and got["prompt"].answer_f1 == 0.75  # the mean over questions
+    with pytest.raises(ValueError, match="differ from the earlier"):
+        tally.add({"prompt": [a], "kv2": [a]}, refs=[0])
+
+
+class _DistRunner:
+    """Answers every request with one position's distribution: token 1 likelier when KV is injected."""
+
+    def __init__(self):
+        self.requests = []
+
+    async def generate(self, req, injection=None):
+        self.requests.append((req.prompt_token_ids, injection, req.cache_salt))
+        favour = 1 if injection is not None else 0
+        dist = _dist({favour: 0.8, 1 - favour: 0.2})
+        yield SimpleNamespace(token_ids=(favour,), top_logprobs=[dist], finished=True)
+
+
+def test_measure_question_scores_every_mode_at_the_reference_positions():
+    runner = _DistRunner()
+    renderer = SimpleNamespace(text_tokens=lambda text: [0, 0, 1], decode=lambda ids: "")
+    case = SimpleNamespace(prompt=SimpleNamespace(token_ids=(5, 6)), prepared_kv=None, answer="ref")
+    kv = SimpleNamespace(prompt=SimpleNamespace(token_ids=(5, 6)), prepared_kv="kv", answer="ref")
+    tally = memory_fidelity.Tally()
+    asyncio.run(memory_fidelity.measure_question(runner, renderer, {"prompt": case, "kv": kv}, tally, with_f1=False))
+    scores = tally.scores()
+    assert scores["kv"].positions == 3 and scores["kv"].top1_agreement_with_prompt == 0.0
+    assert scores["kv"].top1_accuracy == pytest.approx(1 / 3) and scores["prompt"].top1_accuracy == pytest.approx(2 / 3)
+    # teacher forcing: each position's prompt is the prompt plus the reference so far, one salt per mode
+    assert [ids for ids, _, _ in runner.requests[:3]] == [(5, 6), (5, 6, 0), (5, 6, 0, 0)]
+    assert {salt for _, _, salt in runner.requests[:3]} != {salt for _, _, salt in runner.requests[3:]}
+    assert [inj for _, inj, _ in runner.requests] == [None] * 3 + ["kv"] * 3
+
+
 def test_f1_of_answers():
     assert memory_fidelity.f1("Biscuit the dog", "biscuit") == pytest.approx(0.5)
     assert memory_fidelity.f1("", "biscuit") == 0.0
