@@ -21,7 +21,7 @@ class MemoryConfig(BaseModel):
         "all-MiniLM-L6-v2", description="Sentence-embedding model for retrieval (hashing: model-free, tests).")
     default_k: int = Field(5, ge=1, description="Facts retrieved when a request asks for memories without k.")
     max_k: int = Field(100, ge=1, description="Largest k a request may ask for.")
-    context_window: int = Field(4, ge=0, description=(
+    context_window: int = Field(2, ge=0, description=(
         "w: how many preceding facts of the same source are the context when a fact's KV is "
         "encoded (0 = the fact alone)."))
     recompute_tail_tokens: int = Field(0, ge=0, le=8192, description=(

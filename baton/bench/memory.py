@@ -61,7 +61,7 @@ FIDELITY_KS = (10, 50)
 SERVICE_KS = (5, 50)
 SERVICE_CONCURRENCY = 16
 DEFAULT_WINDOW: int = MemoryConfig.model_fields["context_window"].default  # what a served replica encodes with
-COMPARED_WINDOWS = tuple(w for w in (0, 2) if w != DEFAULT_WINDOW)  # fidelity beside the default's
+COMPARED_WINDOWS = tuple(w for w in (0, 2, 4) if w != DEFAULT_WINDOW)  # fidelity beside the default's
 HIT_BLOCK_SIZE = 32
 STALL_TRIALS = 5  # per mode, interleaved
 RECOMPUTE_TAILS = (128, 512)  # tokens of the memory block computed instead of injected (kv_tail<R>)

@@ -200,7 +200,7 @@ def test_check_integrity_catches_a_bad_embedding(store):
 
 def test_config_defaults_and_forbid(tmp_path):
     cfg = MemoryConfig()
-    assert (cfg.default_k, cfg.max_k, cfg.context_window, cfg.mode) == (5, 100, 4, "kv")
+    assert (cfg.default_k, cfg.max_k, cfg.context_window, cfg.mode) == (5, 100, 2, "kv")
     assert cfg.resolved_db_path(tmp_path) == tmp_path / ".cache/baton/memories.sqlite3"
     assert MemoryConfig(db_path="/abs/x.db").resolved_db_path(tmp_path) == Path("/abs/x.db")
     assert cfg.segment_capacity_bytes == 256 * 2**20
