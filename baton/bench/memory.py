@@ -216,7 +216,6 @@ class _Renderer:
 
 async def _main(quick: bool, out_dir: Path, dtype: str, fidelity_only: bool = False) -> dict[str, Any]:
     from baton.engine.args import resolve_model_path
-    from memory_store.config import MemoryConfig
     from memory_store.db import FactStore
     from memory_store.embedder import MiniLMEmbedder
     from memory_store.ingest import load_locomo, locomo_facts, locomo_qa

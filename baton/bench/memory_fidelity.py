@@ -121,19 +121,6 @@ class Tally:
         return out
 
 
-def score_modes(dists: Mapping[str, Sequence[Mapping[int, float]]], refs: Sequence[int],
-                f1s: Mapping[str, Sequence[float]] | None = None) -> dict[str, ModeScore]:
-    """Pure: per mode, its distributions at the same positions as dists["prompt"] (refs: the
-    reference token at each position), scored as one question."""
-    tally = Tally()
-    tally.add(dists, refs)
-    scores = tally.scores()
-    if f1s:
-        scores = {m: dataclasses.replace(sc, answer_f1=sum(f1s[m]) / max(1, len(f1s[m])) if m in f1s else None)
-                  for m, sc in scores.items()}
-    return scores
-
-
 async def _distribution(runner: Any, ids: Sequence[int], segs: Any, salt: str) -> dict[int, float]:
     from baton.engine.types import GenerationRequest, SamplingSpec
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from baton.bench import memory, memory_async, memory_fidelity, memory_service
-from baton.bench.memory_fidelity import kl_divergence, score_modes
+from baton.bench.memory_fidelity import Tally, kl_divergence
 
 
 def _dist(probs: dict[int, float]) -> dict[int, float]:
@@ -36,9 +36,11 @@ def test_kl_refuses_distributions_over_different_vocabularies():
         kl_divergence(_dist({0: 0.5, 1: 0.5}), _dist({0: 1.0}))
 
 
-def test_score_modes_counts_agreement_accuracy_and_kl_per_position():
+def test_a_tally_counts_agreement_accuracy_and_kl_per_position():
     a, b = _dist({0: 0.9, 1: 0.1}), _dist({0: 0.1, 1: 0.9})
-    scores = score_modes({"prompt": [a, a, b], "kv": [a, b, b]}, refs=[0, 0, 0], f1s={"prompt": [1.0], "kv": [0.5]})
+    tally = Tally()
+    tally.add({"prompt": [a, a, b], "kv": [a, b, b]}, refs=[0, 0, 0], f1s={"prompt": 1.0, "kv": 0.5})
+    scores = tally.scores()
     assert scores["prompt"].top1_agreement_with_prompt == 1.0
     assert scores["prompt"].kl_to_prompt_mean == pytest.approx(0.0, abs=1e-12)
     kv = scores["kv"]
@@ -49,19 +51,21 @@ def test_score_modes_counts_agreement_accuracy_and_kl_per_position():
     assert kv.answer_f1 == 0.5 and kv.positions == 3
 
 
-def test_score_modes_refuses_modes_scored_at_different_positions():
+def test_a_tally_refuses_modes_scored_at_different_positions():
     a = _dist({0: 1.0})
     with pytest.raises(ValueError, match="positions"):
-        score_modes({"prompt": [a, a], "kv": [a]}, refs=[0, 0])
+        Tally().add({"prompt": [a, a], "kv": [a]}, refs=[0, 0])
 
 
 def test_a_tally_over_questions_scores_as_their_positions_together():
     a, b = _dist({0: 0.9, 1: 0.1}), _dist({0: 0.1, 1: 0.9})
-    tally = memory_fidelity.Tally()
+    tally = Tally()
     tally.add({"prompt": [a, a], "kv": [a, b]}, refs=[0, 0], f1s={"prompt": 1.0, "kv": 0.0})
     tally.add({"prompt": [b], "kv": [b]}, refs=[0], f1s={"prompt": 0.5, "kv": 0.5})
     got = tally.scores()
-    whole = score_modes({"prompt": [a, a, b], "kv": [a, b, b]}, refs=[0, 0, 0])
+    one = Tally()
+    one.add({"prompt": [a, a, b], "kv": [a, b, b]}, refs=[0, 0, 0])
+    whole = one.scores()
     for m in ("prompt", "kv"):
         assert (got[m].positions, got[m].top1_accuracy, got[m].top1_agreement_with_prompt) == (
             whole[m].positions, whole[m].top1_accuracy, whole[m].top1_agreement_with_prompt)
