@@ -69,6 +69,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     tools: ToolPlan | None = None  # the request's tool calling (deployments/tool_calls.py); None: none
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far on every output chunk
 
 
 Chunk = dict[str, Any] | APIError  # an OpenAI chunk object, or the error that ends a stream
@@ -202,8 +203,9 @@ class OpenAIFrontend:
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         req = GenerationRequest(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_token_ids=tuple(ids), sampling=sampling,
                                 session_id=session_id, user=body.user, cache_salt=tenant_salt(self._prefix_cache, body.user))
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return Prepared(endpoint=endpoint, request=req, model=self.model_id, stream=body.stream, include_usage=include_usage, tools=tools)
+        opts = body.stream_options
+        return Prepared(endpoint=endpoint, request=req, model=self.model_id, stream=body.stream, tools=tools,
+                        include_usage=bool(opts and opts.include_usage), continuous_usage=bool(opts and opts.continuous_usage_stats))
 
     # ---- generation ----------------------------------------------------------------------------
     def precheck(self, endpoint: str) -> None:
@@ -306,15 +308,17 @@ class OpenAIFrontend:
             parser = self._tools.reply(p.tools, p.request.prompt_token_ids)
             async for d in chain(pending, rest):
                 acc.add(d)
+                so_far = usage(acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens) if p.continuous_usage else None
                 if parser is not None:  # tool calls: the parser decides what each delta sends
                     for delta, finish in parser.feed(d):
-                        yield chat_chunk(rid, model, delta, finish)
+                        yield chat_chunk(rid, model, delta, finish, so_far)
+                        so_far = None if so_far is None else {**so_far}  # a dict of its own per chunk (the counts are cumulative)
                 elif d.text or d.finished:
                     if p.endpoint == "chat":
                         delta = {"content": d.text} if d.text else {}
-                        yield chat_chunk(rid, model, delta, d.finish_reason if d.finished else None)
+                        yield chat_chunk(rid, model, delta, d.finish_reason if d.finished else None, so_far)
                     else:
-                        yield completion_chunk(rid, model, d.text, d.finish_reason if d.finished else None)
+                        yield completion_chunk(rid, model, d.text, d.finish_reason if d.finished else None, so_far)
             acc.finish()
             if p.include_usage:
                 use = usage(acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens)

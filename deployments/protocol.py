@@ -51,6 +51,10 @@ class ChatMessage(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's extension: every chunk that carries output also carries the usage so far (its
+    # completion_tokens count the tokens streamed up to and including that chunk), so a client can
+    # tell how many tokens each chunk held when the server coalesced several into one
+    continuous_usage_stats: bool = False
 
 
 class MemoriesOption(_Body):

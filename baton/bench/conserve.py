@@ -14,8 +14,10 @@ Method (README "Benchmarks" has the command and the figures):
 - Repetitions: >= 3 per policy, interleaved (A B C D A B C D ...), each a fresh cluster
   (LocalServeApp) running every load level; the same arrival schedule for every policy of a
   repetition. Figures are the median of the per-repetition p95s, with their min/max.
-- Figures per policy and level: TTFET of every effective turn p50/p95, ITL p50/p95 (gaps between
-  streamed chunks), TTFT p50/p95 and by turn index, failed conversations (a failed turn fails its
+- Figures per policy and level: TTFET of every effective turn p50/p95, ITL p50/p95 (per token: each
+  streamed chunk's gap spread over the tokens it held, counted from the usage Baton adds to every
+  chunk under stream_options.continuous_usage_stats; the per-chunk gaps beside them as
+  chunk_gap_p50/p95), TTFT p50/p95 and by turn index, failed conversations (a failed turn fails its
   conversation; its effective turns count +inf, never dropped: conserve_stats), KV handoffs per
   conversation from the decode engines' connectors, prefill turns that fell back to the decoder.
 - Step traces: every engine writes each step's time and batch shape under steps/r<rep>-<policy>/
@@ -141,7 +143,8 @@ def run_rep(rep: int, policy: str, levels: list[list[Any]], w: Workload, out_dir
             rows.append({"rate": rate, "wall_s": wall, "clock": [began, ended], "counters": delta, "figures": _figures_json(figs),
                          "conversations": [{"id": r.conversation_id, "failed": r.failed,
                                             "errors": [t.error for t in r.records if t.error]} for r in runs]})
-            print(f"[conserve] rep {rep} {policy:14s} {rate:g}/s  TTFET p95 {fmt(figs.ttfet_p95_s)}  ITL p95 {fmt(figs.itl_p95_s)}  "
+            itl = f"ITL p95 {fmt(figs.itl_p95_s)}{'' if figs.itl_per_token else ' (per chunk)'}  chunk gap p95 {fmt(figs.chunk_gap_p95_s)}"
+            print(f"[conserve] rep {rep} {policy:14s} {rate:g}/s  TTFET p95 {fmt(figs.ttfet_p95_s)}  {itl}  "
                   f"TTFT p95 {fmt(figs.ttft_p95_s)}  handoffs/conv {fmt(figs.handoffs_per_conversation, 2)}  "
                   f"failed {figs.failed_conversations}/{figs.conversations}  fallback {delta['prefill_fallback_local']}  wall {wall:.0f}s")
     return cells, {"rep": rep, "policy": policy, "start_s": app.start_seconds, "levels": rows}

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from baton.bench.conserve_stats import ConversationOutcome, chunk_gaps
+from baton.bench.conserve_stats import ConversationOutcome, chunk_gaps, token_gaps
 from baton.traces.format import Conversation
 from baton.traces.records import TurnRecord
 from baton.traces.replay import HttpStreamer, Streamer, Target, fetch_model, request_body, send_body, turn_record
@@ -69,8 +69,9 @@ def estimate_level_s(conversations: Sequence[Conversation], rate_per_s: float, t
 
 @dataclass(frozen=True)
 class ConversationRun(ConversationOutcome):
-    """What one conversation did: its trace's effective flags, its sent turns, and the gaps
-    between the streamed chunks of each sent turn."""
+    """What one conversation did: its trace's effective flags, its sent turns, and for each sent
+    turn its inter-token latencies (per token when every reply came with tokens per chunk, and
+    then its chunk gaps too; else per chunk)."""
 
     conversation_id: str = ""
 
@@ -78,18 +79,25 @@ class ConversationRun(ConversationOutcome):
 async def run_conversation(stream: Streamer, target: Target, conv: Conversation, think_s: float | None) -> ConversationRun:
     messages: list[dict[str, Any]] = [{"role": "system", "content": conv.system}] if conv.system else []
     records: list[TurnRecord] = []
-    gaps: list[tuple[float, ...]] = []
+    by_token: list[tuple[float, ...] | None] = []  # per sent turn; None where its tokens per chunk were unknown
+    by_chunk: list[tuple[float, ...]] = []
     for index, turn in enumerate(conv.turns):
         if index:
             await asyncio.sleep(turn.think_time_s if think_s is None else think_s)
         messages.append({"role": turn.role, "content": turn.content})
         sent = await send_body(stream, target, conv.conversation_id, request_body(conv, turn, messages, target.model))
         records.append(turn_record(target, conv, index, turn.role, turn.effective, sent))
-        gaps.append(tuple(chunk_gaps(sent[0].chunk_times)))
+        by_chunk.append(tuple(chunk_gaps(sent[0].chunk_times)))
+        per_token = token_gaps(sent[0].chunk_times, sent[0].tokens_per_chunk)
+        by_token.append(None if per_token is None else tuple(per_token))
         if not records[-1].ok:
             break
         messages.append({"role": "assistant", "content": sent[0].text})
-    return ConversationRun(tuple(t.effective for t in conv.turns), tuple(records), tuple(gaps), conversation_id=conv.conversation_id)
+    effective = tuple(t.effective for t in conv.turns)
+    tokens_known = [g for g in by_token if g is not None]
+    if len(tokens_known) < len(by_token):  # one reply without tokens per chunk: the whole conversation per chunk
+        return ConversationRun(effective, tuple(records), tuple(by_chunk), None, conversation_id=conv.conversation_id)
+    return ConversationRun(effective, tuple(records), tuple(tokens_known), tuple(by_chunk), conversation_id=conv.conversation_id)
 
 
 async def run_open_loop(conversations: Sequence[Conversation], arrivals: Sequence[float], url: str, *,

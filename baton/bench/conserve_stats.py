@@ -55,9 +55,21 @@ def effective_ttfets(effective: Sequence[bool], records: Sequence[TurnRecord]) -
 
 
 def chunk_gaps(chunk_times: Sequence[float]) -> list[float]:
-    """Gaps between consecutive streamed chunks of one reply (its inter-token latencies; a chunk
-    can carry several tokens when the server coalesces them, so these are per chunk)."""
+    """Gaps between consecutive streamed chunks of one reply (a chunk can carry several tokens
+    when the server coalesces them, so these are per chunk, not per token)."""
     return [b - a for a, b in zip(chunk_times, chunk_times[1:], strict=False)]
+
+
+def token_gaps(chunk_times: Sequence[float], tokens: Sequence[int] | None) -> list[float] | None:
+    """Inter-token latencies of one reply: a chunk that arrives g after the previous one with n
+    tokens gives n samples of g / n (its tokens are spread over the gap; the mean over a reply is
+    its time per output token after the first chunk). Chunks that held no token are skipped; the
+    first chunk's tokens are part of the time to first token, not of any gap. None when the
+    tokens per chunk are unknown (no usage on every chunk) or do not match the chunks."""
+    if tokens is None or len(tokens) != len(chunk_times) or any(n < 0 for n in tokens):
+        return None
+    held = [(t, n) for t, n in zip(chunk_times, tokens, strict=True) if n > 0]
+    return [(b - a) / n for (a, _), (b, n) in zip(held, held[1:], strict=False) for _ in range(n)]
 
 
 @dataclass(frozen=True)
@@ -128,7 +140,8 @@ def fmt(x: float | None, digits: int = 3) -> str:
 
 # ---- one policy at one load level in one repetition, then over repetitions -------------------------
 
-SPREAD_FIGURES = ("ttfet_p50_s", "ttfet_p95_s", "itl_p50_s", "itl_p95_s", "ttft_p50_s", "ttft_p95_s", "handoffs_per_conversation")
+SPREAD_FIGURES = ("ttfet_p50_s", "ttfet_p95_s", "itl_p50_s", "itl_p95_s", "ttft_p50_s", "ttft_p95_s", "handoffs_per_conversation",
+                  "chunk_gap_p50_s", "chunk_gap_p95_s")
 
 
 @dataclass(frozen=True)
@@ -137,7 +150,8 @@ class ConversationOutcome:
 
     effective: tuple[bool, ...]
     records: tuple[TurnRecord, ...]
-    gaps: tuple[tuple[float, ...], ...]
+    gaps: tuple[tuple[float, ...], ...]  # per sent turn: inter-token latencies (token_gaps), else chunk gaps
+    chunk_gaps: tuple[tuple[float, ...], ...] | None = None  # per sent turn, per chunk; None: gaps are per chunk
 
     @property
     def failed(self) -> bool:
@@ -153,18 +167,23 @@ class LevelFigures:
     effective_turns: int  # TTFET samples (failed ones are +inf)
     ttfet_p50_s: float | None
     ttfet_p95_s: float | None
-    itl_p50_s: float | None
+    itl_p50_s: float | None  # per token when every conversation knew its tokens per chunk (itl_per_token)
     itl_p95_s: float | None
     ttft_p50_s: float | None  # over sent turns, a failed one +inf
     ttft_p95_s: float | None
     by_turn: tuple[TurnIndexTtft, ...]
     handoffs_per_conversation: float | None = None  # KV transfers the decoders' connectors counted / conversations
+    itl_per_token: bool = False  # itl_* are per token (token_gaps); False: per streamed chunk
+    chunk_gap_p50_s: float | None = None  # gaps between streamed chunks, whatever they held
+    chunk_gap_p95_s: float | None = None
 
 
 def level_figures(runs: Sequence[ConversationOutcome], kv_transfers: int | None = None) -> LevelFigures:
     """The figures of one policy at one load level in one repetition."""
     ttfets = [x for r in runs for x in effective_ttfets(r.effective, r.records)]
     gaps = [g for r in runs for turn in r.gaps for g in turn]
+    per_token = bool(runs) and all(r.chunk_gaps is not None for r in runs)
+    chunks = [g for r in runs for turn in (r.gaps if r.chunk_gaps is None else r.chunk_gaps) for g in turn]
     records = [t for r in runs for t in r.records]
     ttfts = [t.ttft_s if t.ok and t.ttft_s is not None else INF for t in records]
     return LevelFigures(
@@ -173,7 +192,8 @@ def level_figures(runs: Sequence[ConversationOutcome], kv_transfers: int | None 
         ttfet_p50_s=percentile(ttfets, 50), ttfet_p95_s=percentile(ttfets, 95),
         itl_p50_s=percentile(gaps, 50), itl_p95_s=percentile(gaps, 95),
         ttft_p50_s=percentile(ttfts, 50), ttft_p95_s=percentile(ttfts, 95), by_turn=tuple(ttft_by_turn(records)),
-        handoffs_per_conversation=None if kv_transfers is None or not runs else kv_transfers / len(runs))
+        handoffs_per_conversation=None if kv_transfers is None or not runs else kv_transfers / len(runs),
+        itl_per_token=per_token, chunk_gap_p50_s=percentile(chunks, 50), chunk_gap_p95_s=percentile(chunks, 95))
 
 
 @dataclass(frozen=True)

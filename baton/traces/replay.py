@@ -49,7 +49,8 @@ def request_body(conv: Conversation, turn: Turn, messages: list[dict[str, Any]],
         "model": model or None,  # gRPC without --model: the server's own
         "messages": messages,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        # usage on every output chunk too (vLLM's extension, which Baton serves): ITL per token
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "temperature": 0,
         "max_tokens": turn.max_tokens,
         "user": conv.user,

@@ -2,7 +2,8 @@
 
 A stream is lines of `data: {json chunk}` separated by blank lines and ended by `data: [DONE]`.
 A chunk carries `choices[0].delta.content`, and (with stream_options.include_usage) a last chunk
-carries `usage`. A server may report a failure mid-stream as a data event with an "error" key.
+carries `usage`; with stream_options.continuous_usage_stats every output chunk carries the usage so
+far too, from which the tokens each chunk held are read (`tokens_per_chunk`). A server may report a failure mid-stream as a data event with an "error" key.
 Tool calls arrive as `delta.tool_calls` pieces keyed by `index`: the first piece of a call has
 its `id` and `function.name`, later ones add `function.arguments` text. A whole (non-streamed)
 response fed as one event is read the same way from `choices[0].message`.
@@ -74,6 +75,10 @@ class StreamAccumulator:
     done: bool = False
     calls: dict[int, list[str]] = field(default_factory=dict)  # index -> [id, name, arguments]
     chunk_times: list[float] = field(default_factory=list)  # when each chunk with content or a call piece arrived
+    # tokens each of those chunks held, from its usage so far (stream_options.continuous_usage_stats);
+    # None where a chunk came without usage
+    chunk_tokens: list[int | None] = field(default_factory=list)
+    _streamed_tokens: int = field(default=0, init=False, repr=False)  # completion_tokens of the last chunk with usage
 
     def feed(self, event: SseEvent, now: float) -> None:
         if event.done:
@@ -97,10 +102,25 @@ class StreamAccumulator:
                 self.first_token_at = now
             if content or pieces:
                 self.chunk_times.append(now)
+                self.chunk_tokens.append(self._tokens_of_chunk(data.get("usage")))
             if content:
                 self.text_parts.append(content)
             for position, piece in enumerate(pieces):
                 self._feed_call(piece, position)
+
+    def _tokens_of_chunk(self, use: Any) -> int | None:
+        done = use.get("completion_tokens") if isinstance(use, dict) else None
+        if not isinstance(done, int) or done < self._streamed_tokens:
+            return None
+        held, self._streamed_tokens = done - self._streamed_tokens, done
+        return held
+
+    @property
+    def tokens_per_chunk(self) -> list[int] | None:
+        """Tokens each output chunk held, when every one of them came with usage; else None."""
+        if any(n is None for n in self.chunk_tokens):
+            return None
+        return [n for n in self.chunk_tokens if n is not None]
 
     def _feed_call(self, piece: dict[str, Any], position: int) -> None:
         call = self.calls.setdefault(int(piece.get("index", position)), ["", "", ""])

@@ -72,10 +72,13 @@ def test_the_level_estimate_is_the_arrival_span_plus_the_longest_conversation() 
 
 
 class Server:
-    """Streams three content chunks 10 ms apart; fails the requests named in `fail` (session, nth) with 503."""
+    """Streams three content chunks 10 ms apart; fails the requests named in `fail` (session, nth) with 503.
+    `counted`: the chunks hold 1, 3 and 2 tokens and carry the usage so far (continuous usage), on the
+    requests for which it returns True."""
 
-    def __init__(self, fail: set[tuple[str, int]] | None = None):
+    def __init__(self, fail: set[tuple[str, int]] | None = None, counted: Any = None):
         self.fail = fail or set()
+        self.counted = counted or (lambda sid, nth: False)
         self.sent: list[tuple[str, float, dict]] = []
 
     async def handler(self, request: httpx.Request) -> httpx.Response:
@@ -87,12 +90,15 @@ class Server:
         self.sent.append((sid, time.perf_counter(), body))
         if (sid, nth) in self.fail:
             return httpx.Response(503, json={"error": {"message": "busy"}})
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=self._stream())
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=self._stream(self.counted(sid, nth)))
 
-    async def _stream(self) -> AsyncIterator[bytes]:
-        for piece in ("a", "b", "c"):
+    async def _stream(self, counted: bool) -> AsyncIterator[bytes]:
+        for piece, done in (("a", 1), ("b", 4), ("c", 6)):
             await asyncio.sleep(0.01)
-            yield f'data: {json.dumps({"choices": [{"index": 0, "delta": {"content": piece}}]})}\n\n'.encode()
+            chunk: dict[str, Any] = {"choices": [{"index": 0, "delta": {"content": piece}}]}
+            if counted:
+                chunk["usage"] = {"prompt_tokens": 5, "completion_tokens": done}
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
         yield b'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}\n\ndata: [DONE]\n\n'
 
 
@@ -118,6 +124,21 @@ def test_conversations_start_at_their_arrivals_whatever_the_others_do() -> None:
     history = [b for sid, _, b in server.sent if sid == "a"][1]["messages"]
     assert history == [{"role": "system", "content": "SYS"}, {"role": "user", "content": "m0"},
                        {"role": "assistant", "content": "abc"}, {"role": "tool", "content": "m1"}]
+
+
+def test_with_tokens_per_chunk_the_gaps_are_per_token() -> None:
+    """Chunks of 1, 3 and 2 tokens ~10 ms apart: 3 samples of ~1/3 and 2 of ~1/2 of the chunk gap,
+    the chunk gaps kept beside them; one reply without counts puts its whole conversation per chunk."""
+    server = Server(counted=lambda sid, nth: sid == "a" or nth == 0)
+    runs, _ = drive(server, [conv("a"), conv("b")], [0.0, 0.0], think_s=0.0)
+    a, b = runs
+    for per_token, per_chunk in zip(a.gaps, a.chunk_gaps, strict=True):
+        assert len(per_token) == 5 and len(per_chunk) == 2
+        assert per_token[:3] == (pytest.approx(per_chunk[0] / 3),) * 3 and per_token[3:] == (pytest.approx(per_chunk[1] / 2),) * 2
+    assert b.chunk_gaps is None and all(len(g) == 2 for g in b.gaps)  # b's second reply had no counts
+    figs = level_figures([a], 0)
+    assert figs.itl_per_token and figs.chunk_gap_p50_s > figs.itl_p50_s > 0
+    assert not level_figures([a, b], 0).itl_per_token
 
 
 def test_a_fixed_think_time_replaces_the_traces() -> None:

@@ -174,3 +174,15 @@ def test_no_level_meeting_the_slo_is_flagged() -> None:
     cells = [cell(0, "colocated", r, 9.0) for r in (0.5, 1.0)] + [cell(0, "conversation", r, 3.0) for r in (0.5, 1.0)]
     h = headline(over_reps(cells), [0.5, 1.0], 3.0, baselines=("colocated",))
     assert (h.rate, h.slo_met) == (0.5, False) and h.result_line().endswith("load=0.5 slo_met=0")
+
+
+def test_token_gaps_spread_each_chunk_gap_over_its_tokens() -> None:
+    from baton.bench.conserve_stats import token_gaps
+
+    # chunks at 0, 0.3, 0.5, 0.5 with 2, 3, 0, 2 tokens: the first chunk's tokens are the TTFT's,
+    # the empty chunk is skipped, so 3 x 0.1 then 2 x 0.1 (0.5 - 0.3 over 2)
+    assert token_gaps([0.0, 0.3, 0.5, 0.5], [2, 3, 0, 2]) == pytest.approx([0.1] * 5)
+    assert token_gaps([0.0, 0.3], None) is None
+    assert token_gaps([0.0, 0.3], [1]) is None  # counts that do not match the chunks
+    assert token_gaps([0.0, 0.3], [1, -1]) is None
+    assert token_gaps([], []) == [] and token_gaps([1.0], [4]) == []

@@ -17,7 +17,7 @@ import pytest
 from fakes import FakeBackend, FakeDirectory, FakeTokenizer
 from fastapi.testclient import TestClient
 
-from baton.engine.types import EngineRequestError, EngineUnavailable, SamplingSpec
+from baton.engine.types import EngineRequestError, EngineUnavailable, GenerationDelta, SamplingSpec
 from deployments.chat import PromptRenderer
 from deployments.frontend import OpenAIFrontend
 from deployments.inflight import InflightLimit
@@ -283,6 +283,42 @@ def test_a_chat_without_memories_has_no_memory_headers(api: Api, stream: bool) -
     r = api.chat(stream=stream, headers={"x-session-id": "s1"})
     assert r.status_code == 200 and r.headers["x-baton-replica"] == "replica-a"
     assert "x-baton-memories" not in r.headers and "x-baton-memory-mode" not in r.headers
+
+
+@dataclass
+class CoalescingBackend(FakeBackend):
+    """Deltas of several tokens each, as a replica sends them when its consumer fell behind."""
+
+    per_delta: tuple[int, ...] = (1, 3, 2)
+
+    async def generate(self, request: Any) -> Any:
+        self.requests.append(request)
+        for i, n in enumerate(self.per_delta):
+            last = i == len(self.per_delta) - 1
+            yield GenerationDelta(text=" w" * n, token_ids=tuple(range(3, 3 + n)), prompt_tokens=len(request.prompt_token_ids),
+                                  cached_tokens=0, finished=last, finish_reason="stop" if last else None,
+                                  replica="replica-a" if i == 0 else None)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_continuous_usage_counts_the_tokens_of_every_chunk(endpoint: str) -> None:
+    """stream_options.continuous_usage_stats: each output chunk carries the usage so far, so the
+    tokens a chunk held are the step in completion_tokens (1, 3, 2 here); without it no chunk but
+    the include_usage one has usage."""
+    api = make_api(CoalescingBackend())
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    if endpoint == "chat":
+        events = sse_events(api.chat(stream=True, stream_options=opts))
+    else:
+        events = sse_events(api.complete(prompt=[5, 6, 7], max_tokens=8, stream=True, stream_options=opts))
+    outputs = [e for e in events[:-1] if e["choices"] and ((e["choices"][0].get("delta") or {}).get("content") or e["choices"][0].get("text"))]
+    counts = [e["usage"]["completion_tokens"] for e in outputs]
+    assert [b - a for a, b in zip([0, *counts], counts, strict=False)] == [1, 3, 2]
+    assert all(e["usage"]["prompt_tokens"] == outputs[0]["usage"]["prompt_tokens"] > 0 for e in outputs)
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 6  # include_usage's last chunk still comes
+    plain = sse_events(api.chat(stream=True, stream_options={"include_usage": True})) if endpoint == "chat" else \
+        sse_events(api.complete(prompt=[5, 6, 7], max_tokens=8, stream=True, stream_options={"include_usage": True}))
+    assert sum("usage" in e for e in plain[:-1]) == 1
 
 
 def test_chat_stream_usage_chunk_only_when_asked() -> None:

@@ -85,7 +85,7 @@ def test_records_history_and_request_fields():
                                       {"role": "assistant", "content": "reply-0"},
                                       {"role": "tool", "content": '[{"result": 1}]'}]
     assert third["messages"][-2] == {"role": "assistant", "content": "reply-1"}
-    assert (first["stream"], first["stream_options"], first["temperature"]) == (True, {"include_usage": True}, 0)
+    assert (first["stream"], first["stream_options"], first["temperature"]) == (True, {"include_usage": True, "continuous_usage_stats": True}, 0)
     assert (first["model"], first["user"], first["session_id"], first["max_tokens"]) == ("fake-model", "alice", "c1", 8)
     assert "memories" not in first and second["memories"] == {"k": 3}
     assert all(h["x-session-id"] == "c1" for h in server.headers)

@@ -54,3 +54,29 @@ def test_error_message_shapes():
     assert error_message({"error": "plain"}) == "plain"
     assert error_message({"choices": []}) is None
     assert error_message([1]) is None
+
+
+def _counted(text: str, done: int | None) -> SseEvent:
+    data = {"choices": [{"delta": {"content": text}}]}
+    if done is not None:
+        data["usage"] = {"prompt_tokens": 5, "completion_tokens": done}
+    return SseEvent(data=data)
+
+
+def test_tokens_per_chunk_from_continuous_usage():
+    acc = StreamAccumulator()
+    for t, (text, done) in enumerate([("a", 1), ("bcd", 4), ("ef", 6)]):
+        acc.feed(_counted(text, done), float(t))
+    acc.feed(SseEvent(data={"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 6}}), 3.0)  # include_usage's last
+    assert acc.chunk_times == [0.0, 1.0, 2.0] and acc.tokens_per_chunk == [1, 3, 2]
+
+
+def test_tokens_per_chunk_unknown_without_usage_on_every_chunk():
+    acc = StreamAccumulator()
+    acc.feed(_counted("a", 1), 0.0)
+    acc.feed(_counted("b", None), 1.0)
+    assert acc.chunk_tokens == [1, None] and acc.tokens_per_chunk is None
+    going_back = StreamAccumulator()  # a count that falls is not a count of this stream's tokens
+    going_back.feed(_counted("a", 3), 0.0)
+    going_back.feed(_counted("b", 2), 1.0)
+    assert going_back.tokens_per_chunk is None
