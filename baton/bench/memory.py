@@ -98,14 +98,23 @@ async def _request(runner: Any, ids: Sequence[int], segs: Any, max_tokens: int,
 
 
 class _Case:
-    """One question of one user at one k and window: its prompt and (for KV mode) the KV handed to
-    the engine: `prepared_kv`, its resolved segments prepared in the pull path (a PreparedInjection;
-    the plain segments when the engine cannot rotate them). `tails`: the same question laid out
-    with a recompute tail of R tokens, per R (None KV when the tail covers every fact)."""
+    """One question of one user at one k and window: its prompt, its resolved segments (None: no
+    injection) and answer. `prepared_kv` is the KV handed to the engine: the segments prepared as
+    the pull path prepares them (a PreparedInjection; the plain segments when the engine cannot
+    rotate them), made anew on each access and never held by the case, so a run's cases hold only
+    their segments, which the resolver's cache shares between questions (a held k = 50 preparation
+    is ~100-300 MB; a full float32 run keeping one per case swapped on a 24 GB host). `tails`: the
+    same question laid out with a recompute tail of R tokens, per R."""
 
-    def __init__(self, prompt: Any, prepared_kv: Any, answer: str, tails: dict[int, _Case] | None = None):
-        self.prompt, self.prepared_kv, self.answer = prompt, prepared_kv, answer
+    def __init__(self, prompt: Any, segments: Any, answer: str, tails: dict[int, _Case] | None = None):
+        self.prompt, self.segments, self.answer = prompt, segments, answer
         self.tails = tails or {}
+
+    @property
+    def prepared_kv(self) -> Any:
+        from kv_transfer.segment_worker import prepare_injection
+
+        return None if self.segments is None else prepare_injection(self.segments)
 
 
 async def _build_cases(runner: Any, renderer: Any, svc: Any, user: str, qas: Sequence[Any], k: int, window: int,
@@ -127,16 +136,13 @@ async def _build_cases(runner: Any, renderer: Any, svc: Any, user: str, qas: Seq
         t0 = time.perf_counter()
         segs = await resolver.resolve(p.token_ids, p.injection)
         t1 = time.perf_counter()
-        prepared = await asyncio.to_thread(prepare_injection, segs)
+        await asyncio.to_thread(prepare_injection, segs)  # timed once here; a case prepares again when used
         enc_s, prep_s = enc_s + t1 - t0, prep_s + time.perf_counter() - t1
         variants = {}
         for tail in tails:
             tp = layout(tail)
-            kv = None
-            if tp.injection is not None:
-                kv = await asyncio.to_thread(prepare_injection, await resolver.resolve(tp.token_ids, tp.injection))
-            variants[tail] = _Case(tp, kv, qa.answer)
-        cases.append(_Case(p, prepared, qa.answer, variants))
+            variants[tail] = _Case(tp, None if tp.injection is None else await resolver.resolve(tp.token_ids, tp.injection), qa.answer)
+        cases.append(_Case(p, segs, qa.answer, variants))
     return cases, enc_s, prep_s
 
 
@@ -162,15 +168,6 @@ async def _ttft(runner: Any, cases: Sequence[_Case], reps: int) -> dict[str, Any
             for m, v in out.items()} | {"mean_prompt_tokens": prompt_len}
 
 
-async def _reprepared(kv: Any) -> Any:
-    """The case's segments prepared again (in a thread): throughput counts the rotation of every
-    request, which competes with the engine for the same cores."""
-    from kv_transfer.prepared import PreparedInjection
-    from kv_transfer.segment_worker import prepare_injection
-
-    return await asyncio.to_thread(prepare_injection, kv.segments) if isinstance(kv, PreparedInjection) else kv
-
-
 async def _throughput(runner: Any, cases: Sequence[_Case], concurrency: int, max_tokens: int) -> dict[str, Any]:
     """Requests/s and output tokens/s at `concurrency`, per mode; KV mode prepares each request's KV
     inside the timed run."""
@@ -182,7 +179,8 @@ async def _throughput(runner: Any, cases: Sequence[_Case], concurrency: int, max
         async def one(c: _Case, sem: asyncio.Semaphore, inject: bool) -> None:
             nonlocal toks
             async with sem:
-                kv = await _reprepared(c.prepared_kv) if inject else None  # paid here, as a replica pays it per request
+                # prepared here, in a thread, as a replica pays it per request: it competes with the engine for the cores
+                kv = await asyncio.to_thread(lambda: c.prepared_kv) if inject else None
                 _, out, _ = await _request(runner, c.prompt.token_ids, kv, max_tokens)
                 toks += len(out)
 
@@ -383,7 +381,7 @@ async def _measure(runner: Any, renderer: Any, svc: Any, users: list[tuple[str, 
                                            RECOMPUTE_TAILS if k in TAIL_KS else ())
             cases += cs
             enc_s, prep_s = enc_s + e, prep_s + pr
-        if k in (KS[0], KS[-1]):  # kept for throughput and the stall phase (each case holds its prepared KV)
+        if k in (KS[0], KS[-1]):  # kept for throughput and the stall phase (a case holds its segments, prepared when used)
             cases_k[k] = cases
         before = segment_stats()
         ttft = await _ttft(runner, cases, reps)

@@ -56,13 +56,14 @@ async def _trial(runner: Any, cases: Sequence[Any], stream_ids: Sequence[int], r
             if stop.is_set() or d.finished:
                 return
 
+    kvs = [c.prepared_kv for c in cases]  # prepared before the stream starts: no preparation in any gap measured
     task = asyncio.create_task(stream())
     await started.wait()
     windows: list[tuple[float, float]] = []
     ttfts: list[float] = []
-    for c in cases:
+    for c, kv in zip(cases, kvs, strict=True):
         t0 = time.perf_counter()
-        ttft, _, _ = await request(runner, c.prompt.token_ids, c.prepared_kv, 1)
+        ttft, _, _ = await request(runner, c.prompt.token_ids, kv, 1)
         windows.append((t0, time.perf_counter()))
         ttfts.append(ttft)
     stop.set()
