@@ -3,7 +3,8 @@
 A stream is lines of `data: {json chunk}` separated by blank lines and ended by `data: [DONE]`.
 A chunk carries `choices[0].delta.content`, and (with stream_options.include_usage) a last chunk
 carries `usage`; with stream_options.continuous_usage_stats every output chunk carries the usage so
-far too, from which the tokens each chunk held are read (`tokens_per_chunk`). A server may report a failure mid-stream as a data event with an "error" key.
+far too, from which the tokens each chunk held are read (`tokens_per_chunk`). A server may report
+a failure mid-stream as a data event with an "error" key.
 Tool calls arrive as `delta.tool_calls` pieces keyed by `index`: the first piece of a call has
 its `id` and `function.name`, later ones add `function.arguments` text. A whole (non-streamed)
 response fed as one event is read the same way from `choices[0].message`.
