@@ -67,9 +67,9 @@ class Prepared:
     request: GenerationRequest
     model: str
     stream: bool
-    include_usage: bool
+    include_usage: bool  # stream_options: a usage chunk last; continuous_usage: usage so far on every output chunk too
     tools: ToolPlan | None = None  # the request's tool calling (deployments/tool_calls.py); None: none
-    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far on every output chunk
+    continuous_usage: bool = False
 
 
 Chunk = dict[str, Any] | APIError  # an OpenAI chunk object, or the error that ends a stream
@@ -299,7 +299,6 @@ class OpenAIFrontend:
     async def _stream_chunks(self, p: Prepared, acc: Accumulator, first: GenerationDelta | None, rest: AsyncIterator[GenerationDelta],
                              ticket: Ticket) -> AsyncIterator[Chunk]:
         rid, model = p.request.request_id, p.model
-        chunk: Callable[..., dict[str, Any]]
         status = 499  # client went away unless we get to the end
         try:
             if p.endpoint == "chat":
@@ -312,18 +311,14 @@ class OpenAIFrontend:
                 if parser is not None:  # tool calls: the parser decides what each delta sends
                     for delta, finish in parser.feed(d):
                         yield chat_chunk(rid, model, delta, finish, so_far)
-                        so_far = None if so_far is None else {**so_far}  # a dict of its own per chunk (the counts are cumulative)
                 elif d.text or d.finished:
-                    if p.endpoint == "chat":
-                        delta = {"content": d.text} if d.text else {}
-                        yield chat_chunk(rid, model, delta, d.finish_reason if d.finished else None, so_far)
-                    else:
-                        yield completion_chunk(rid, model, d.text, d.finish_reason if d.finished else None, so_far)
+                    end = d.finish_reason if d.finished else None
+                    yield (chat_chunk(rid, model, {"content": d.text} if d.text else {}, end, so_far) if p.endpoint == "chat"
+                           else completion_chunk(rid, model, d.text, end, so_far))
             acc.finish()
             if p.include_usage:
                 use = usage(acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens)
-                chunk = chat_chunk if p.endpoint == "chat" else completion_chunk
-                yield chunk(rid, model, {} if p.endpoint == "chat" else "", None, use)
+                yield chat_chunk(rid, model, {}, None, use) if p.endpoint == "chat" else completion_chunk(rid, model, "", None, use)
             status = 200
         except APIError as e:
             status = e.status

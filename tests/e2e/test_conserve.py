@@ -1,5 +1,10 @@
 """ConServe on real engines: the first turn's KV moves once over NIXL (counted by the decode
-replicas' connectors), later turns stay on that decoder, whatever ingress replica answers."""
+replicas' connectors), later turns stay on that decoder, whatever ingress replica answers.
+
+The per_turn_pd baseline (a handoff on every turn) is not redeployed here (a redeploy restarts
+every engine, ~100 s of the suite): its plan is unit-tested (tests/unit/test_directory_state.py)
+and `baton bench conserve` reports its handoffs per conversation, counted by the same connectors,
+on every run."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -9,7 +14,7 @@ import httpx
 import pytest
 
 from baton.bench.cluster import settled_transfers
-from tests.e2e.conftest import deploy, e2e_args, start_app, stop_app
+from tests.e2e.conftest import e2e_args, start_app, stop_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -78,11 +83,3 @@ def test_greedy_output_is_the_same_with_remote_or_local_prefill(url: str) -> Non
                             sampling=SamplingSpec(max_tokens=24, temperature=0.0, ignore_eos=True))
     local_text = "".join(d.text for d in decode.options(stream=True).generate.remote(req))
     assert remote_text == local_text
-
-
-def test_per_turn_pd_moves_kv_on_every_turn(url: str) -> None:
-    deploy(e2e_args("per_turn_pd", ingress_replicas=2), url)
-    before = settled_transfers(url)
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda s: converse(url, s, turns=3), ["pd-0", "pd-1"]))
-    assert settled_transfers(url) - before == 6, "one NIXL transfer per turn under per_turn_pd"

@@ -6,7 +6,9 @@ an operator key, `isolation.prefix_cache: tenant` (the default).
   while the same tenant's resend still hits its own KV;
 * a conversation's first turn, prefilled on the prefill engine and handed to its decoder over
   NIXL, lands there under the tenant's salt: the next turn on that decoder hits it;
-* an application whose Serve HTTP host is 0.0.0.0 and that has no API keys refuses to start.
+* an application whose Serve HTTP host is 0.0.0.0 and that has no API keys refuses to start;
+* last, on the same application: the conversation directory is killed and comes back with its
+  owners and pins (tests/e2e/directory_restart.py).
 
 The keys reach the ingress replicas through the environment: the fixture sets the variable
 before `start_app` calls `ray.init`, whose raylet (and so every worker it starts) inherits the
@@ -26,6 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.e2e import directory_restart
 from tests.e2e.conftest import ROOT, e2e_args, keyed_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -35,7 +38,8 @@ HTTP_TIMEOUT_S = 180.0  # one short greedy request on a loaded 2-core machine
 MAX_TOKENS = 4
 KEYS_ENV = "BATON_E2E_ISOLATION_KEYS"  # a name of this module's own: an exported BATON_API_KEYS stays untouched
 OPERATOR_KEY, ALICE_KEY, BOB_KEY = "iso-operator-key", "iso-alice-key", "iso-bob-key"
-KEYS = f"{OPERATOR_KEY},{ALICE_KEY}=alice,{BOB_KEY}=bob"
+# plus the directory-restart scenario's users (its test is this module's last: tests/e2e/directory_restart.py)
+KEYS = f"{OPERATOR_KEY},{ALICE_KEY}=alice,{BOB_KEY}=bob,{directory_restart.KEYS}"
 
 # two distinct long system prompts (> 3 KV blocks each), one per scenario, so neither scenario's
 # hits can come from the other's KV
@@ -243,3 +247,8 @@ def test_a_conversation_hits_its_handed_off_kv_on_its_decoder_under_its_tenant_s
     assert info["decoder"] == decoder and info["turns"] == 2 and info["handoffs"] == 1 and info["context_tokens"] == n2, info
     hidden = httpx.get(f"{url}/v1/conversations/{sid}", headers={"authorization": f"Bearer {BOB_KEY}"}, timeout=30)
     assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "conversation_not_found", hidden.text
+
+
+def test_a_restarted_directory_keeps_owners_and_pins_and_never_serves_unchecked(url: str) -> None:
+    """Last in this module, since it kills the conversation directory (tests/e2e/directory_restart.py)."""
+    directory_restart.check_restart(url)

@@ -11,36 +11,24 @@ is back, ownership came from the SQLite file (bob is still refused ana's convers
 the pins from the decoders' reports: ana's next turn runs on her decoder with no new handoff.
 DELETE /v1/conversations/{id} then ends it for its owner only.
 
-The keys reach the ingress replicas through the environment, set before `start_app` calls
-`ray.init` (as tests/e2e/test_isolation.py does)."""
+It runs as the last test of tests/e2e/test_isolation.py, on that module's application (same
+layout, these users' keys added to its own): one application start less in the suite, and the
+kill comes after every other test of the app."""
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 
 from baton.bench.reliability_faults import kill_actor, named_actors
-from tests.e2e.conftest import e2e_args, keyed_app
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
-
-KEYS_ENV = "BATON_E2E_RESTART_KEYS"  # this module's own variable: an exported BATON_API_KEYS stays untouched
 OPERATOR_KEY, ANA_KEY, BOB_KEY, CAROL_KEY = "rs-operator-key", "rs-ana-key", "rs-bob-key", "rs-carol-key"
 KEYS = f"{OPERATOR_KEY},{ANA_KEY}=ana,{BOB_KEY}=bob,{CAROL_KEY}=carol"
 DIRECTORY = "SERVE_REPLICA::baton#directory#"
 HTTP_TIMEOUT_S = 180.0
 REPORT_PERIOD_S = 1.0  # the pools' routing_stats_period_s (deployments/config.py default)
-
-
-@pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    args = e2e_args("conversation", decode_replicas=2, prefill_replicas=1)
-    with keyed_app(args, KEYS_ENV, KEYS, tmp_path_factory.mktemp("restart") / "conversations.sqlite3") as u:
-        yield u
 
 
 class Conv:
@@ -85,7 +73,8 @@ def recovered(url: str, adopted: int, timeout_s: float = 180.0) -> dict[str, Any
     raise AssertionError(f"the directory did not come back with its pins within {timeout_s:.0f}s: {last}")
 
 
-def test_a_restarted_directory_keeps_owners_and_pins_and_never_serves_unchecked(url: str) -> None:
+def check_restart(url: str) -> None:
+    """The scenario above, on an app whose keys include KEYS, with 2 decode and 1 prefill engines."""
     ana, bob, carol = Conv(url, ANA_KEY, "ana"), Conv(url, BOB_KEY, "bob"), Conv(url, CAROL_KEY, "carol")
     for conv in (ana, bob, carol):
         for t in range(2):
