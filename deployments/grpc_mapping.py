@@ -39,14 +39,15 @@ _COMPLETION_OPTIONAL = tuple(f for f in _OPTIONAL if f != "parallel_tool_calls")
 
 def _sampling_body(req: Any, optional: tuple[str, ...], stream: bool) -> dict[str, Any]:
     """The body fields ChatRequest and CompletionRequest share: the set optional ones, stop,
-    ignore_eos, and stream_options when a stream asks for usage."""
+    ignore_eos, and stream_options when a stream asks for usage (last, or on every chunk too)."""
     body: dict[str, Any] = {"stream": stream, **{f: getattr(req, f) for f in optional if req.HasField(f)}}
     if req.stop:
         body["stop"] = list(req.stop)
     if req.ignore_eos:
         body["ignore_eos"] = True
-    if stream and req.include_usage:
-        body["stream_options"] = {"include_usage": True}
+    opts = {f: True for f in ("include_usage", "continuous_usage_stats") if getattr(req, f)}
+    if stream and opts:
+        body["stream_options"] = opts
     return body
 
 
@@ -165,7 +166,9 @@ def _with_sampling(req: Any, body: dict[str, Any], optional: tuple[str, ...]) ->
     stop = body.get("stop")
     req.stop.extend([stop] if isinstance(stop, str) else stop or [])
     req.ignore_eos = bool(body.get("ignore_eos"))
-    req.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    opts = body.get("stream_options") or {}
+    req.include_usage = bool(opts.get("include_usage"))
+    req.continuous_usage_stats = bool(opts.get("continuous_usage_stats"))
     return req
 
 

@@ -99,7 +99,7 @@ async def _ttfts(runner: Any, cases: list[Any], reps: int) -> dict[str, float]:
     return {m: quantile(v, 0.5) for m, v in out.items()}
 
 
-async def _check(device: str, model: str, reps: int) -> dict[str, Any]:
+async def _check(device: str, model: str, reps: int, n_questions: int = 4) -> dict[str, Any]:
     from baton.bench.memory import _build_cases, _Renderer
     from baton.engine.args import resolve_model_path
     from memory_store.config import MemoryConfig
@@ -113,7 +113,7 @@ async def _check(device: str, model: str, reps: int) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="baton-gpu-check-"))
     svc = MemoryService(MemoryConfig(max_k=64, segment_capacity_mb=1024), FactStore(tmp / "facts.sqlite3"), MiniLMEmbedder())
     svc.add("user", facts(), "gpu-check")
-    questions = [_Question(f"Where does {p} keep {t}?", "") for p, t in zip(PEOPLE, THINGS, strict=False)][:4]
+    questions = [_Question(f"Where does {p} keep {t}?", "") for p, t in zip(PEOPLE, THINGS, strict=False)][:n_questions]
     t0 = time.perf_counter()
     runner = _runner(model_path, device)
     started = time.perf_counter() - t0
@@ -143,8 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--model", default="SmolLM2-135M-Instruct", help="a folder, or a name under .cache/models")
     ap.add_argument("--reps", type=int, default=5, help="timed requests per question, mode and k")
+    ap.add_argument("--questions", type=int, default=4, help="questions timed per mode and k (1 to 8)")
     ap.add_argument("--out", type=Path, default=None, help="where the JSON goes (default runs/gpu-check-<stamp>)")
     args = ap.parse_args(argv)
+    if not 1 <= args.questions <= len(PEOPLE):
+        ap.error(f"--questions must be 1 to {len(PEOPLE)}")
     if args.device == "cuda":
         import torch
 
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                   "install the CUDA vllm (pip install -e '.[gpu]') on a GPU machine, or run with --device cpu",
                   file=sys.stderr)
             return 2
-    report = asyncio.run(_check(args.device, args.model, args.reps))
+    report = asyncio.run(_check(args.device, args.model, args.reps, args.questions))
     out = args.out or REPO_ROOT / "runs" / f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))

@@ -1,6 +1,8 @@
 """End-to-end fixtures: a local Ray cluster + Serve + real vLLM engines on SmolLM2 (this CPU).
 
-One application per test module (starting it costs ~1 min). The pools use the same builder as
+One application per test module (starting it costs 1-2 min), except in the folders pd_app/ and
+colocated_app/: their modules test different things on one layout, and share one application,
+started once per folder (`shared_app`, pytest's package scope). The pools use the same builder as
 `serve run cluster_configs/local.yaml`, with the local YAML's args adjusted for 2 cores."""
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,11 +109,22 @@ def stop_app() -> None:
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def baton_url() -> Any:
-    url = start_app(e2e_args())
+@dataclass(frozen=True)
+class SharedApp:
+    """The application a folder's modules share; each test uses its own session ids and users, and
+    counts what it checks as a difference (before/after), so the order of its modules does not
+    matter. Tests that disrupt it (kill a replica) carry `pytest.mark.disrupts_app` and run after the
+    folder's other tests; one that leaves it changed (redeployed smaller) `disrupts_app(last=True)`."""
+
+    url: str
+    args: dict[str, Any]  # what was deployed: a restart redeploys exactly these
+
+
+def run_shared_app(args: dict[str, Any]) -> Iterator[SharedApp]:
+    """The body of a folder's package-scoped `shared_app` fixture."""
+    url = start_app(args)
     try:
-        yield url
+        yield SharedApp(url, args)
     finally:
         stop_app()
 
@@ -145,3 +159,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                        if i.path.resolve().is_relative_to(here) and i.get_closest_marker("e2e") is None})
     if unmarked:
         raise pytest.UsageError(f"e2e modules without pytest.mark.e2e: {unmarked}")
+    # in a folder that shares one application, the tests that disrupt it run after the others, and
+    # those that leave it changed (`disrupts_app(last=True)`) after those (order kept otherwise)
+    def rank(item: pytest.Item) -> int:
+        mark = item.get_closest_marker("disrupts_app")
+        return 0 if mark is None else 2 if mark.kwargs.get("last") else 1
+
+    for folder in {i.path.resolve().parent for i in items if i.path.resolve().parent.parent == here}:
+        slots = [n for n, i in enumerate(items) if i.path.resolve().parent == folder]
+        for n, i in zip(slots, sorted((items[n] for n in slots), key=rank), strict=True):
+            items[n] = i

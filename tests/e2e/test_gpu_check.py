@@ -16,7 +16,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 
 def test_the_gpu_check_runs_on_cpu_and_injects_exactly(tmp_path: Path) -> None:
-    done = subprocess.run([str(SCRIPT), "--device", "cpu", "--reps", "1", "--out", str(tmp_path)],
+    done = subprocess.run([str(SCRIPT), "--device", "cpu", "--reps", "1", "--questions", "1", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -68,6 +68,12 @@ def test_a_streamed_chat_is_the_http_reply(app: tuple[str, str]) -> None:
     assert text and text == http["choices"][0]["message"]["content"]
     assert chunks[0].role == "assistant" and chunks[0].replica
     assert chunks[-1].HasField("usage") and chunks[-1].usage.completion_tokens == http["usage"]["completion_tokens"]
+    # continuous_usage_stats: the tokens streamed so far on every chunk with output, up to the whole
+    # reply (less a stop token, counted but without text)
+    text2, chunks2 = run(stream_text(target, {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+    counts = [c.usage.completion_tokens for c in chunks2 if c.content]
+    total = http["usage"]["completion_tokens"]
+    assert text2 == text and counts and counts == sorted(counts) and total - 1 <= counts[-1] <= total, (counts, total)
 
     async def unary() -> pb.ChatResponse:
         async with grpc.aio.insecure_channel(target) as ch:

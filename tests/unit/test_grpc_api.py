@@ -91,7 +91,7 @@ FULL_BODY: dict[str, Any] = {
     "model": "m", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 20, "seed": -3, "stop": ["END", "STOP"],
     "presence_penalty": 0.25, "frequency_penalty": -0.5, "user": "ana", "session_id": "conv-1", "ignore_eos": True,
     "memories": {"k": 3, "mode": "prompt", "window": 0}, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-    "parallel_tool_calls": False, "stream_options": {"include_usage": True},
+    "parallel_tool_calls": False, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "weather?", "name": "ana"},
                  {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
                                                                          "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
@@ -232,6 +232,19 @@ def test_stream_chunks_first_role_then_tokens_then_usage() -> None:
     assert metrics.requests[("chat", 200)] == 1
 
 
+def test_continuous_usage_puts_the_usage_so_far_on_every_chunk_with_output() -> None:
+    g, _, _, _ = make()
+    chunks, err = run(streamed(g, req(stream_options={"include_usage": True, "continuous_usage_stats": True})))
+    assert err is None
+    out = [c for c in chunks if c.content]
+    assert out and all(c.HasField("usage") for c in out)
+    counts = [c.usage.completion_tokens for c in out]
+    assert counts == sorted(counts) and counts[-1] == 3, counts  # the tokens streamed so far, up to the whole reply
+    assert chunks[-1].HasField("usage") and chunks[-1].usage.completion_tokens == 3
+    plain, _ = run(streamed(g, req(stream_options={"include_usage": True})))
+    assert [c.HasField("usage") for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
 def test_bad_key_is_unauthenticated_on_both_chat_rpcs() -> None:
     g, _, backend, _ = make(keys=KEYS)
     e = rpc_error(unary(g, req(), md("nope")))
@@ -327,7 +340,7 @@ def test_messages_cross_ray_by_reference_to_an_importable_module() -> None:
 @pytest.mark.parametrize("prompt", ["once upon a time", [5, 6, 7], ["once upon a time"]])
 def test_a_completion_body_survives_the_proto(prompt: Any) -> None:
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0.0, "seed": 9, "stop": ["."], "user": "ana", "session_id": "c1",
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream_options": {"continuous_usage_stats": True}}
     back = completion_body(completion_request(body), stream=True)
     expected = {**body, "stream": True, "prompt": prompt[0] if prompt == ["once upon a time"] else prompt}
     assert back == expected

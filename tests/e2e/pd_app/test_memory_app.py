@@ -5,14 +5,13 @@ restart of the memory-store actor and of the whole application."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import deploy, e2e_args, start_app, stop_app
+from tests.e2e.conftest import SharedApp, deploy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -24,20 +23,9 @@ ALICE_FACTS = [
 ]
 
 
-def _args(db: Path) -> dict[str, Any]:
-    args = e2e_args(policy="conversation", decode_replicas=1, prefill_replicas=1, ingress_replicas=1)
-    args["memory"] = {"db_path": str(db), "context_window": 1, "default_k": 3}
-    return args
-
-
-@pytest.fixture(scope="module")
-def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    db = tmp_path_factory.mktemp("mem") / "memories.sqlite3"
-    url = start_app(_args(db))
-    try:
-        yield url, db
-    finally:
-        stop_app()
+@pytest.fixture
+def url(baton_url: str) -> str:
+    return baton_url  # the folder's application (conftest.py)
 
 
 def _chat(url: str, user: str, question: str, memories: dict[str, Any], session: str | None = None) -> httpx.Response:
@@ -53,8 +41,7 @@ def _facts(url: str, user: str) -> list[dict[str, Any]]:
     return r.json()["data"]
 
 
-def test_add_and_list_are_scoped_to_the_user(app: tuple[str, Path]) -> None:
-    url, _ = app
+def test_add_and_list_are_scoped_to_the_user(url: str) -> None:
     r = httpx.post(f"{url}/v1/memories", json={"user": "alice", "facts": ALICE_FACTS}, timeout=60)
     assert r.status_code == 200, r.text
     assert [f["text"] for f in r.json()["data"]] == ALICE_FACTS
@@ -64,9 +51,8 @@ def test_add_and_list_are_scoped_to_the_user(app: tuple[str, Path]) -> None:
     assert [f["text"] for f in _facts(url, "bob")] == ["Bob collects vintage typewriters."]
 
 
-def test_kv_injection_serves_recalled_facts(app: tuple[str, Path]) -> None:
-    url, _ = app
-    # the facts' KV was precomputed on the decode replica in the background: wait for it, so the
+def test_kv_injection_serves_recalled_facts(url: str) -> None:
+    # the facts' KV was precomputed on a decode replica in the background: wait for it, so the
     # prefill replica below finds it in the memory store and reads it over NIXL
     _wait_for_replica(url, "decode", lambda r: r.get("memory_encoded_tokens", 0) > 0)
     time.sleep(1)  # its fire-and-forget put into the store
@@ -96,19 +82,18 @@ def test_kv_injection_serves_recalled_facts(app: tuple[str, Path]) -> None:
 
 
 def _wait_for_replica(url: str, pool: str, ready: Any, timeout_s: float = 60.0) -> dict[str, Any]:
-    """The pool's (only) replica's /baton/stats entry once `ready(entry)`; replicas report every
-    routing-stats period."""
+    """The /baton/stats entry of the pool's first replica for which `ready(entry)`; replicas report
+    every routing-stats period."""
     deadline = time.monotonic() + timeout_s
     while True:
         reps = [r for r in httpx.get(f"{url}/baton/stats", timeout=10).json()["replicas"].values() if r["pool"] == pool]
-        if reps and ready(reps[0]):
-            return reps[0]
+        if ok := [r for r in reps if ready(r)]:
+            return ok[0]
         assert time.monotonic() < deadline, reps
         time.sleep(0.5)
 
 
-def test_other_users_memories_are_unreachable(app: tuple[str, Path]) -> None:
-    url, _ = app
+def test_other_users_memories_are_unreachable(url: str) -> None:
     alice_id = _facts(url, "alice")[0]["id"]
     unknown = "0" * 32
     for fid in (alice_id, unknown):
@@ -132,8 +117,9 @@ def _kill_memory_store() -> None:
         ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=True)
 
 
-def test_facts_survive_a_memory_store_restart_and_an_app_restart(app: tuple[str, Path]) -> None:
-    url, db = app
+@pytest.mark.disrupts_app(last=True)
+def test_facts_survive_a_memory_store_restart_and_an_app_restart(shared_app: SharedApp, tmp_path: Path) -> None:
+    url = shared_app.url
     before = _facts(url, "alice")
     _kill_memory_store()
     deadline = time.monotonic() + 90
@@ -150,6 +136,12 @@ def test_facts_survive_a_memory_store_restart_and_an_app_restart(app: tuple[str,
 
     from ray import serve
 
+    # the application again with the same memory database, every replica new; smaller, to start
+    # sooner (colocated on one decode engine, a fresh ownership store: the facts are what is checked)
+    args = shared_app.args
+    small = {k: v for k, v in args.items() if k != "prefill"}
+    small |= {"routing": {**args["routing"], "policy": "colocated", "ownership_db_path": str(tmp_path / "conversations.sqlite3")},
+              "decode": {**args["decode"], "num_replicas": 1}, "ingress": {**args["ingress"], "num_replicas": 1}}
     serve.delete("baton")
-    deploy(_args(db), url)
+    deploy(small, url)
     assert _facts(url, "alice") == before

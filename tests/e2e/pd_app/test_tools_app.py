@@ -9,12 +9,9 @@ goes back to the same decoder."""
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import openai
 import pytest
-
-from tests.e2e.conftest import e2e_args, start_app, stop_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -28,16 +25,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    args = e2e_args(decode_replicas=1, prefill_replicas=1, ingress_replicas=1)
-    # a fresh ownership store: earlier runs' session ids would be known conversations to a new directory
-    args["routing"]["ownership_db_path"] = str(tmp_path_factory.mktemp("tools") / "conversations.sqlite3")
-    url = start_app(args)
-    try:
-        yield url
-    finally:
-        stop_app()
+@pytest.fixture
+def url(baton_url: str) -> str:
+    return baton_url  # the folder's application (conftest.py)
 
 
 def client(url: str) -> openai.OpenAI:

@@ -8,13 +8,11 @@ on every run."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import httpx
 import pytest
 
 from baton.bench.cluster import settled_transfers
-from tests.e2e.conftest import e2e_args, start_app, stop_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -23,13 +21,9 @@ SYSTEM = "You are a travel assistant. Available tools: " + " ".join(
 )
 
 
-@pytest.fixture(scope="module")
-def url() -> Any:
-    u = start_app(e2e_args("conversation", ingress_replicas=2))
-    try:
-        yield u
-    finally:
-        stop_app()
+@pytest.fixture
+def url(baton_url: str) -> str:
+    return baton_url  # the folder's application (conftest.py)
 
 
 def converse(url: str, sid: str, turns: int = 3) -> list[tuple[str, str, str]]:

@@ -3,30 +3,21 @@ ticks in order with bounded KV, clear errors for malformed frames, AIMD refusal 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from tests.e2e.conftest import e2e_args, start_app, stop_app
+from tests.e2e.colocated_app.conftest import REALTIME_CAP as CAP
+from tests.e2e.conftest import SharedApp
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-CAP = 2
 
-
-@pytest.fixture(scope="module")
-def ws_url() -> Iterator[str]:
-    args = e2e_args(policy="colocated", decode_replicas=1, prefill_replicas=0, ingress_replicas=1)
-    args["realtime"] = {"mode": "bounded", "sink_tokens": 16, "window_tokens": 64, "max_tokens_per_tick": 8,
-                        "admission": {"initial_cap": CAP, "min_cap": 1}}
-    url = start_app(args)
-    try:
-        yield url.replace("http://", "ws://") + "/v1/realtime"
-    finally:
-        stop_app()
+@pytest.fixture
+def ws_url(shared_app: SharedApp) -> str:
+    return shared_app.url.replace("http://", "ws://") + "/v1/realtime"  # the folder's application (conftest.py)
 
 
 def _start(ws: Any, **kw: Any) -> dict[str, Any]:

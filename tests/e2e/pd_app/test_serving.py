@@ -151,10 +151,10 @@ def test_replay_bfcl_trace_hits_prefix_cache_on_later_turns(baton_url: str, tmp_
     from baton.traces.format import load_trace
     from baton.traces.replay import replay
 
-    # two conversations of the sample trace, cut to 3 turns of 8 tokens without think time: the
+    # two conversations of the sample trace, cut to 2 turns of 8 tokens without think time: the
     # later turns' prefix hits are what is checked, not the trace's length (the whole trace is
     # replayed by `make demo` and the benches)
-    convs = [c.model_copy(update={"turns": [t.model_copy(update={"max_tokens": 8, "think_time_s": 0.0}) for t in c.turns[:3]]})
+    convs = [c.model_copy(update={"turns": [t.model_copy(update={"max_tokens": 8, "think_time_s": 0.0}) for t in c.turns[:2]]})
              for c in load_trace(SAMPLE_TRACES / "agentic_small.jsonl")[:2]]
     result = asyncio.run(replay(convs, baton_url, concurrency=2, progress=False))
     records = result.turns
@@ -164,6 +164,7 @@ def test_replay_bfcl_trace_hits_prefix_cache_on_later_turns(baton_url: str, tmp_
     assert all(r.ttft_s is not None for r in records)
 
 
+@pytest.mark.disrupts_app
 def test_engine_failure_is_a_503_or_in_stream_error_then_recovers(baton_url: str) -> None:
     """Kill the decode replica serving a conversation mid-stream: the client gets a clear error
     (never a 500 or a stack trace) and the conversation's next turn is served elsewhere."""
@@ -181,7 +182,7 @@ def test_engine_failure_is_a_503_or_in_stream_error_then_recovers(baton_url: str
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
     errors = [json.loads(line[6:]) for line in rest[:-1] if '"error"' in line]
-    # the ingress resumes the stream on the other decoder (tests/e2e/test_stream_resume.py checks
+    # the ingress resumes the stream on the other decoder (tests/e2e/colocated_app/test_stream_resume.py checks
     # it); a stream it cannot resume ends with a clear service_unavailable event, never a 500
     assert not errors or errors[0]["error"]["type"] == "service_unavailable", rest[-3:]
 

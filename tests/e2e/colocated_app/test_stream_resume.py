@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +24,7 @@ import httpx
 import pytest
 
 from baton.bench.reliability_faults import kill_actor, replica_actor
-from tests.e2e.conftest import e2e_args, start_app, stop_app
+from tests.e2e.conftest import SharedApp
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -36,17 +35,9 @@ MESSAGES = [{"role": "system", "content": "You are a storyteller."},
             {"role": "user", "content": "Tell me a long story about a lighthouse keeper and a storm."}]
 
 
-@pytest.fixture(scope="module")
-def url() -> Iterator[str]:
-    args = e2e_args(policy="colocated", decode_replicas=2, prefill_replicas=0, ingress_replicas=1)
-    # float32 (the default is bfloat16): the continuation prefills tokens the undisturbed run
-    # decoded one by one; float32 makes their rounding differences too small to flip an argmax but at a near tie
-    args["decode"]["engine"] = {**args["decode"]["engine"], "dtype": "float32"}
-    u = start_app(args)
-    try:
-        yield u
-    finally:
-        stop_app()
+@pytest.fixture
+def url(shared_app: SharedApp) -> str:
+    return shared_app.url  # the folder's application (conftest.py)
 
 
 @dataclass
@@ -118,6 +109,7 @@ def test_requests_without_a_session_are_placed_at_the_ingress_and_counted_by_the
     assert snap["totals"].get("plan_sessionless_at_ingress", 0) >= 2, json.dumps(snap["totals"])
 
 
+@pytest.mark.disrupts_app
 def test_a_decoder_killed_mid_stream_leaves_the_greedy_stream_unchanged(url: str) -> None:
     reference = stream_chat(url, f"resume-ref-{uuid.uuid4().hex[:8]}")
     assert reference.done == 1 and not reference.errors and reference.finish_reasons == ["length"]
