@@ -34,7 +34,7 @@ def register(subparsers: Any) -> None:
                    help="scale only: a `bench conserve` run dir whose engines' step traces time the calibration (instead of --cpu-steps)")
     p.add_argument("--replicas-json", type=Path, default=None, help="scale only: the control-plane measurement ({\"max_replicas\": n})")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default=None,
-                   help="memory only: the engine's dtype (default auto: bfloat16 where the CPU computes it natively, else float32)")
+                   help="memory and window-quality only: the model's dtype (default auto: bfloat16 where the CPU computes it natively, else float32)")
     p.add_argument("--fidelity-only", action="store_true",
                    help="memory only: only the fidelity phase (top-1 agreement and KL against prompt injection), no timings")
     p.add_argument("--out", type=Path, default=None, help="output dir (default ./runs/bench-<name>-<timestamp>, relative to where you run it)")
@@ -52,8 +52,8 @@ def run_bench(args: argparse.Namespace) -> int:
             raise SystemExit("--offline is only for `baton bench checkpoints`")
         extra["offline"] = True
     if getattr(args, "dtype", None) is not None:
-        if args.name != "memory":
-            raise SystemExit("--dtype is only for `baton bench memory`")
+        if args.name not in ("memory", "window-quality"):
+            raise SystemExit("--dtype is only for `baton bench memory` and `baton bench window-quality`")
         extra["dtype"] = args.dtype
     if getattr(args, "fidelity_only", False):
         if args.name != "memory":

@@ -1,6 +1,7 @@
 """`baton bench window-quality`: Metronome's quality study — sink + sliding-window KV on LoCoMo text.
 
-SmolLM2-135M-Instruct (transformers, bf16, CPU, one thread) reads long dialog text the way a bounded
+SmolLM2-135M-Instruct (transformers, CPU, one thread; bf16 where the CPU computes it natively, else
+fp32, as the engines resolve `dtype: auto`; `--dtype` sets it) reads long dialog text the way a bounded
 Baton session does (baton/engine/realtime/session.py): tick by tick, each tick computing a chunk of C new
 tokens over the context
 
@@ -327,22 +328,26 @@ def _plot(ppl: dict[str, float], distinct: dict[str, float], path: Path) -> None
     plt.close(fig)
 
 
-def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+def run(quick: bool, out_dir: Path, dtype: str = "auto") -> dict[str, Any]:
     import math
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from baton.engine.args import engine_dtype
+    from baton.engine.vllm_engine import native_cpu_bf16
 
     work = QUICK if quick else FULL
     lines = _dialog_lines(PPL_CONV)
     if lines is None or not MODEL.exists():
         print(f"[window-quality] skipped: needs {LOCOMO}/{PPL_CONV}.json and the model at {MODEL}")
         return {"skipped": True}
-    torch.set_num_threads(1)  # one core: bf16 matmuls (AMX) are fastest uncontended; the host is shared
+    torch.set_num_threads(1)  # one core: the matmuls are fastest uncontended; the host is shared
+    dtype = engine_dtype(dtype, on_gpu=False, cpu_bf16=native_cpu_bf16())  # emulated bf16 (AVX2) is several times slower
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(MODEL, local_files_only=True)
     tok.model_max_length = 10**9  # the stream is cut to work.stream_tokens below
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.bfloat16, local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=getattr(torch, dtype), local_files_only=True).eval()
     stream: list[int] = []
     for conv in (PPL_CONV, *GEN_CONVS[::-1]):  # a second conversation only if the first is too short
         stream += tok.encode("".join(_dialog_lines(conv) or []), add_special_tokens=False)
@@ -351,7 +356,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     stream = stream[:work.stream_tokens]
     bounded = [Config(s, w) for s in SINKS for w in WINDOWS]
     start = max(SINKS) + max(WINDOWS) + CHUNK  # from this target on, every bounded config has slid
-    print(f"[window-quality] {len(stream)} tokens of LoCoMo {PPL_CONV}; ticks of {CHUNK}; scoring targets >= {start}")
+    print(f"[window-quality] {len(stream)} tokens of LoCoMo {PPL_CONV} ({dtype}); ticks of {CHUNK}; scoring targets >= {start}")
 
     full = _full_nll(model, stream)
     nll = _stream_nll(model, bounded, stream)
@@ -363,12 +368,12 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         ppl[c.name] = math.exp(nll[r, start - 1:].mean())
         ppl_all[c.name] = math.exp(nll[r].mean())
         # while the history fits in S + W a bounded row must equal full attention
-        # (bf16: batched, padded ticks vs one pass differ by rounding only — this is the noise floor)
+        # (batched, padded ticks vs one pass differ by rounding only — this is the noise floor)
         d = nll[r, : c.sinks + c.window] - full[: c.sinks + c.window]
         warmup_dnll[c.name] = {"max_abs": float(d.abs().max()), "ppl_ratio": math.exp(d.mean())}
     worst = max(abs(v["ppl_ratio"] - 1) for v in warmup_dnll.values())
     print(f"[window-quality] perplexity done in {t_ppl:.0f}s; before sliding every config must equal full "
-          f"attention: perplexity within {100 * worst:.2f} % (bf16 rounding), max |Δnll| "
+          f"attention: perplexity within {100 * worst:.2f} % ({dtype} rounding), max |Δnll| "
           f"{max(v['max_abs'] for v in warmup_dnll.values()):.3f}")
 
     configs = [Config(0, None), *bounded]
@@ -401,7 +406,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
 
     result = {"ppl_full": ppl["full"], "best_S": best.sinks, "best_W": best.window, "ppl_best": ppl[best.name],
               "ppl_window_only_same_W": ppl[Config(0, best.window).name]}
-    report = {"quick": quick, "workload": work.__dict__, "chunk": CHUNK, "reply_per_tick": REPLY, "kv_budget": KV_BUDGET,
+    report = {"quick": quick, "dtype": dtype, "workload": work.__dict__, "chunk": CHUNK, "reply_per_tick": REPLY, "kv_budget": KV_BUDGET,
               "stream_conversation": PPL_CONV, "stream_tokens": len(stream), "scored_from_target": start,
               "ppl_sliding_region": ppl, "ppl_all_tokens": ppl_all, "distinct4": distinct, "generation_ppl_judged_by_full": gen_ppl,
               "generations_equal_to_full": same_as_full, "prompts": len(prompts),

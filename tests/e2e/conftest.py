@@ -117,7 +117,7 @@ class SharedApp:
     folder's other tests; one that leaves it changed (redeployed smaller) `disrupts_app(last=True)`."""
 
     url: str
-    args: dict[str, Any]  # what was deployed: a restart redeploys exactly these
+    args: dict[str, Any]  # what was deployed
 
 
 def run_shared_app(args: dict[str, Any]) -> Iterator[SharedApp]:

@@ -59,11 +59,13 @@ def test_offline_reaches_only_the_checkpoints_bench(recorded: list[Path], tmp_pa
     assert not recorded
 
 
-def test_dtype_reaches_only_the_memory_bench(recorded: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = _fake_bench(monkeypatch, "memory")
+@pytest.mark.parametrize("bench", ["memory", "window-quality"])
+def test_dtype_reaches_only_the_memory_and_window_quality_benches(recorded: list[Path], tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch, bench: str) -> None:
+    calls = _fake_bench(monkeypatch, bench)
     monkeypatch.chdir(tmp_path)
-    for argv, expected in ((["bench", "memory", "--quick", "--dtype", "float32"], {"dtype": "float32"}),
-                           (["bench", "memory", "--quick"], {})):
+    for argv, expected in ((["bench", bench, "--quick", "--dtype", "float32"], {"dtype": "float32"}),
+                           (["bench", bench, "--quick"], {})):
         args = build_parser().parse_args(argv)
         assert args.func(args) == 0 and calls[-1] == expected
     args = build_parser().parse_args(["bench", "fake", "--dtype", "float32"])
