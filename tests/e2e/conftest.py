@@ -109,6 +109,27 @@ def stop_app() -> None:
     ray.shutdown()
 
 
+def remote_and_local_greedy(url: str, ids: list[int], request_id: str, headers: dict[str, str] | None = None,
+                            max_tokens: int = 24) -> tuple[str, list[Any], int]:
+    """`ids` decoded greedily twice: over HTTP (placed by the app: a remote first-turn prefill under
+    a P/D policy) and straight to the decode pool's handle (prefilled on the decoder itself).
+    Returns the HTTP text, the decoder's deltas, and the NIXL transfers the HTTP request settled."""
+    from ray import serve
+
+    from baton.bench.cluster import settled_transfers
+    from baton.engine.types import GenerationRequest, SamplingSpec
+
+    before = settled_transfers(url)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+                   headers=headers or {}, timeout=300)
+    assert r.status_code == 200, r.text
+    transfers = settled_transfers(url) - before
+    req = GenerationRequest(request_id=request_id, prompt_token_ids=tuple(ids),
+                            sampling=SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    deltas = list(serve.get_deployment_handle("decode", "baton").options(stream=True).generate.remote(req))
+    return r.json()["choices"][0]["text"], deltas, transfers
+
+
 @dataclass(frozen=True)
 class SharedApp:
     """The application a folder's modules share; each test uses its own session ids and users, and

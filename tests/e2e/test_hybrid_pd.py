@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from baton.bench.cluster import settled_transfers
-from tests.e2e.conftest import start_app, stop_app
+from tests.e2e.conftest import remote_and_local_greedy, start_app, stop_app
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -53,23 +53,11 @@ def url() -> Iterator[str]:
 
 
 def test_greedy_tokens_are_the_same_with_remote_or_local_first_turn_prefill(url: str) -> None:
-    from ray import serve
     from transformers import AutoTokenizer
 
-    from baton.engine.types import GenerationRequest, SamplingSpec
-
     ids = AutoTokenizer.from_pretrained(str(HYBRID_DIR)).encode(DOC + "\nWhen does the ferry leave?")
-    before = settled_transfers(url)
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True},
-                   headers={"x-session-id": "hybrid-remote"}, timeout=300)
-    assert r.status_code == 200, r.text
-    remote_text = r.json()["choices"][0]["text"]
-    assert settled_transfers(url) - before == 1, "the first turn was prefilled remotely: one NIXL transfer (KV + conv state)"
-
-    decode = serve.get_deployment_handle("decode", "baton")
-    req = GenerationRequest(request_id="hybrid-local-prefill", prompt_token_ids=tuple(ids),
-                            sampling=SamplingSpec(max_tokens=24, temperature=0.0, ignore_eos=True))
-    deltas = list(decode.options(stream=True).generate.remote(req))
+    remote_text, deltas, transfers = remote_and_local_greedy(url, ids, "hybrid-local-prefill", headers={"x-session-id": "hybrid-remote"})
+    assert transfers == 1, "the first turn was prefilled remotely: one NIXL transfer (KV + conv state)"
     local_text = "".join(d.text for d in deltas)
     assert sum(len(d.token_ids) for d in deltas) == 24
     assert remote_text == local_text  # the transferred recurrent state is exact: same greedy tokens

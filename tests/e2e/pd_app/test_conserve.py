@@ -56,24 +56,13 @@ def test_one_handoff_per_conversation_and_pinned_decoders(url: str) -> None:
 
 
 def test_greedy_output_is_the_same_with_remote_or_local_prefill(url: str) -> None:
-    from ray import serve
-
-    from baton.engine.types import GenerationRequest, SamplingSpec
     from deployments.chat import PromptRenderer
     from deployments.protocol import ChatMessage
-    from tests.e2e.conftest import MODEL_DIR
+    from tests.e2e.conftest import MODEL_DIR, remote_and_local_greedy
 
     ids = PromptRenderer.from_path(str(MODEL_DIR)).chat_tokens(
         [ChatMessage(role="system", content=SYSTEM), ChatMessage(role="user", content="Plan a two-day trip to Rome.")]
     )
-    before = settled_transfers(url)
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": ids, "max_tokens": 24, "temperature": 0, "ignore_eos": True}, timeout=300)
-    assert r.status_code == 200, r.text
-    remote_text = r.json()["choices"][0]["text"]
-    assert settled_transfers(url) - before == 1, "the HTTP request was prefilled remotely"
-
-    decode = serve.get_deployment_handle("decode", "baton")
-    req = GenerationRequest(request_id="local-prefill-check", prompt_token_ids=tuple(ids),
-                            sampling=SamplingSpec(max_tokens=24, temperature=0.0, ignore_eos=True))
-    local_text = "".join(d.text for d in decode.options(stream=True).generate.remote(req))
-    assert remote_text == local_text
+    remote_text, deltas, transfers = remote_and_local_greedy(url, ids, "local-prefill-check")
+    assert transfers == 1, "the HTTP request was prefilled remotely"
+    assert remote_text == "".join(d.text for d in deltas)
