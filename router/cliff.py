@@ -2,12 +2,14 @@
 
 Between its ticks a real-time session retains KV in the decoder's pool: an unbounded session its
 whole history (the prefix cache keeps every earlier tick), a bounded one nothing (its sink and
-window live on the host and enter the pool only during its tick). Per decoder, from what its
-replica counts (baton/engine/realtime/growth.py):
+window live on the host and enter the pool only during its tick). While a tick runs, its request
+holds every block of its prompt and reply so far, the partial tail block included. Per decoder,
+from what its replica counts (baton/engine/realtime/growth.py):
 
-    retained R  = Σ live sessions' retained history tokens; tokens of completed ticks only, in
-                  whole KV blocks (what the prefix cache keeps: growth.retained_tokens), so a tick
-                  in flight and a history's partial tail block are not counted
+    retained R  = Σ live sessions' tokens in the pool now: between ticks the whole KV blocks of
+                  completed ticks (what the prefix cache keeps: growth.retained_tokens); during a
+                  tick the blocks its request holds (growth.in_flight_tokens). An engine that runs
+                  behind has most sessions' ticks in flight at once, and the pool holds that much more
     offered g_o = Σ tokens a session appended over its recent ticks ÷ (those ticks × its period)
     served  g_s = Σ the same tokens ÷ the seconds those ticks really took (measured tokens/s)
     growth  g   = min(g_o, g_s)       the pool fills no faster than the engine serves the ticks
@@ -15,7 +17,7 @@ replica counts (baton/engine/realtime/growth.py):
 
 No saturation ahead (eta None) when g = 0 or C is unknown (0); eta 0 when R >= C already.
 Sessions still warming up (one tick so far) count at the others' mean rate (growth.py).
-Counting the sessions' tokens, not the pool's blocks, is what keeps the running ticks' blocks out of R.
+Counting the sessions' tokens, not the pool's blocks, keeps other requests' KV and dead cached blocks out of R.
 
 `cliff_admission` turns a forecast into a verdict for a new real-time session: refuse (or warn)
 when the decoder's cliff is closer than `horizon_s` (realtime.cliff in the YAML). The directory

@@ -23,9 +23,10 @@ Definitions (reported as measured, nothing simulated):
   session has ended). Bounded: blocks in use only — its per-tick salts make every cached block
   single-use, dead KV that vLLM evicts on demand (reported as `cached_blocks`, not in ρ).
 - cliff: every SAMPLE_S the predictor forecasts from the sessions' token counts (retained history
-  in whole KV blocks, growth = min(offered, served); RealtimeSessions.token_growth) the seconds until
-  retained tokens reach SAT_RHO of the pool's capacity; side by side, the same forecast counting
-  whole histories (partial tail blocks as if held: `cliff.whole_history`, the ablation).
+  in whole KV blocks, a tick in flight as every block its request holds; growth = min(offered,
+  served); RealtimeSessions.token_growth) the seconds until retained tokens reach SAT_RHO of the
+  pool's capacity; side by side, the same forecast from completed ticks only (`cliff.completed_ticks`)
+  and counting whole histories (partial tail blocks as if held, ticks in flight not: `cliff.whole_history`).
   Measured saturation t_sat: the first sample with ρ >= SAT_RHO.
   Collapse onset: collapse.collapse_onset — the deadline of the first of DEFAULT_CONSECUTIVE (3)
   consecutive late-or-missing ticks of the engine, all sessions' ticks in scheduled-send order.
@@ -302,14 +303,18 @@ class _Phase:
             g = self.sessions.token_growth(time.monotonic())
             capacity = self.runner.stats.kv_capacity_tokens
             fc = forecast_cliff(DecoderTokens(capacity, g.retained_tokens, g.offered_tokens_per_s, g.served_tokens_per_s), self.now())
-            # the same forecast counting whole histories (the predictor before whole-block counting), side by side
-            gh = self.sessions.token_growth(time.monotonic(), block_tokens=0)
+            # side by side, the same forecast from completed ticks only (the predictor before ticks in flight
+            # were counted) and from whole histories (before whole-block counting)
+            gc = self.sessions.token_growth(time.monotonic(), in_flight=False)
+            fcc = forecast_cliff(DecoderTokens(capacity, gc.retained_tokens, gc.offered_tokens_per_s, gc.served_tokens_per_s), self.now())
+            gh = self.sessions.token_growth(time.monotonic(), block_tokens=0, in_flight=False)
             fh = forecast_cliff(DecoderTokens(capacity, gh.retained_tokens, gh.offered_tokens_per_s, gh.served_tokens_per_s), self.now())
             self.pool.append({"t": self.now(), "live": self.live, "rho": min(1.0, rho), "in_use_blocks": in_use,
                               "retained_tokens": g.retained_tokens, "capacity_tokens": capacity,
                               "offered_tokens_per_s": g.offered_tokens_per_s, "served_tokens_per_s": g.served_tokens_per_s,
                               "growth_tokens_per_s": fc.growth_tokens_per_s, "growth_capped": fc.capped,
                               "growing_sessions": g.growing_sessions, "eta_s": fc.eta_s, "eta_sat_s": fc.seconds_to(SAT_RHO),
+                              "retained_completed_tokens": gc.retained_tokens, "eta_sat_completed_s": fcc.seconds_to(SAT_RHO),
                               "retained_history_tokens": gh.retained_tokens, "eta_sat_history_s": fh.seconds_to(SAT_RHO),
                               "block_tokens": self.runner.stats.kv_block_tokens,
                               "cached_blocks": len(bp.cached_block_hash_to_block), "held_blocks": held,
@@ -400,8 +405,9 @@ def cliff(pool: Sequence[dict[str, Any]], outcomes: Sequence[TickOutcome], first
     onset = collapse_onset(outcomes)
     samples = [ForecastSample(s["t"], s["eta_sat_s"]) for s in pool if s["live"] > 0]
     score = score_cliff(samples, start=start, saturation=measured, onset=onset)
-    history = score_cliff([ForecastSample(s["t"], s.get("eta_sat_history_s")) for s in pool if s["live"] > 0],
-                          start=start, saturation=measured, onset=onset)
+    completed, history = (score_cliff([ForecastSample(s["t"], s.get(key)) for s in pool if s["live"] > 0],
+                                      start=start, saturation=measured, onset=onset)
+                          for key in ("eta_sat_completed_s", "eta_sat_history_s"))
     capped = [s for s in pool if s["live"] > 0 and measured is not None and s["t"] < measured]
     return {"predictor": "tokens: (SAT_RHO x capacity - retained) / min(offered, served)", "saturation_rho": SAT_RHO,
             "fit_fractions": list(FIT_FRACTIONS), "measured_saturation_s": measured, "onset_s": onset,
@@ -410,9 +416,10 @@ def cliff(pool: Sequence[dict[str, Any]], outcomes: Sequence[TickOutcome], first
             "capped_share": sum(s["growth_capped"] for s in capped) / len(capped) if capped else None,
             "points": [{**asdict(p), "at_fit": _at_fit(pool, p.t_fit)} for p in score.points],
             "error": score.horizon_error, "error_vs_onset": score.onset_error,
-            # the ablation: retained tokens as whole histories (partial tail blocks counted as held)
-            "whole_history": {"points": [asdict(p) for p in history.points], "error": history.horizon_error,
-                              "error_vs_onset": history.onset_error}}
+            # the ablations: ticks in flight not counted (whole blocks of completed ticks only), and retained
+            # tokens as whole histories (partial tail blocks counted as held, ticks in flight not)
+            **{name: {"points": [asdict(p) for p in sc.points], "error": sc.horizon_error, "error_vs_onset": sc.onset_error}
+               for name, sc in (("completed_ticks", completed), ("whole_history", history))}}
 
 
 def _at_fit(pool: Sequence[dict[str, Any]], t_fit: float | None) -> dict[str, Any] | None:
@@ -656,9 +663,11 @@ def _print_summary(modes: dict[str, Any], aimd: dict[str, Any], wl: Workload) ->
         print(f"  fit {100 * p['fraction']:.0f}%: at {_num(p['t_fit'], 1)}s predicted {_num(p['predicted_s'], 1)}s -> "
               f"e={_num(p['horizon_error'])}, e_vs_onset={_num(p['onset_error'])}")
     print(f"  median: e={_num(c['error'])}, e_vs_onset={_num(c['error_vs_onset'])}")
-    h = c["whole_history"]
-    print(f"  counting whole histories instead of whole blocks: e={_num(h['error'])} "
-          f"({' / '.join(_num(p['horizon_error']) for p in h['points'])}), e_vs_onset={_num(h['error_vs_onset'])}")
+    for key, what in (("completed_ticks", "not counting ticks in flight"), ("whole_history", "counting whole histories instead")):
+        h = c.get(key)
+        if h is not None:
+            print(f"  {what}: e={_num(h['error'])} ({' / '.join(_num(p['horizon_error']) for p in h['points'])}), "
+                  f"e_vs_onset={_num(h['error_vs_onset'])}")
     if aimd:
         print(f"[realtime] AIMD: P = {aimd['period_s']:.0f}s, target {wl.target_p99_ms:.0f} ms (controller at "
               f"{wl.aimd_setpoint:.2f} of it), offered {wl.aimd_low} -> "

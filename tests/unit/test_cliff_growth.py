@@ -1,6 +1,6 @@
 """What a replica counts for the cliff predictor (baton/engine/realtime/growth.py and
-RealtimeSessions.token_growth): retained history tokens of completed ticks only (whole KV blocks
-when the engine's block size is known), and growth
+RealtimeSessions.token_growth): retained history tokens of completed ticks (whole KV blocks
+when the engine's block size is known), every block of a tick in flight, and growth
 offered (tick period) vs served (measured). Pure, plus the manager over the fake runner."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 from test_realtime_manager import FakeRunner, empty_segment_table
 
-from baton.engine.realtime.growth import STALE_PERIODS, SessionGrowth, retained_tokens, session_growth, total_growth
+from baton.engine.realtime.growth import STALE_PERIODS, SessionGrowth, in_flight_tokens, retained_tokens, session_growth, total_growth
 from baton.engine.realtime.manager import RealtimeSessions
 from baton.engine.realtime.messages import RealtimeOpen, RealtimeTick
 from baton.engine.realtime.session import SessionSpec, open_session
@@ -114,3 +114,41 @@ def test_the_manager_reports_the_pool_figure_and_keeps_the_rates_of_whole_histor
     assert (whole.retained_tokens, blocks.retained_tokens) == (14, 12)
     assert rs.token_growth(block_tokens=0).retained_tokens == 14  # an explicit 0 overrides the engine's
     assert blocks.offered_tokens_per_s == pytest.approx(whole.offered_tokens_per_s) == pytest.approx(8 / 16)
+
+
+def test_a_tick_in_flight_holds_every_block_of_its_request_partial_tail_included() -> None:
+    assert in_flight_tokens(0, 128) == 0
+    assert in_flight_tokens(1, 128) == 128  # one token still takes a whole block
+    assert in_flight_tokens(128, 128) == 128 and in_flight_tokens(129, 128) == 256
+    assert in_flight_tokens(129) == 129  # block size unknown: the tokens themselves
+
+
+def test_the_manager_counts_the_blocks_of_ticks_the_engine_is_running() -> None:
+    runner = FakeRunner(reply_len=3, delay_s=0.05)
+    rs = RealtimeSessions(runner)  # blocks of 4 tokens (the fake engine's stats do not say)
+    for sid, mode in (("u", "unbounded"), ("b", "bounded")):
+        rs.open(RealtimeOpen(sid, mode, (1, 2, 3, 4), sink_tokens=2, window_tokens=6, max_tokens=3, tick_s=8.0))  # type: ignore[arg-type]
+    seen: dict[str, int] = {}
+
+    async def run() -> None:
+        await rs.tick(RealtimeTick("u", 0, (10, 11)))  # u: 6 prompt + 3 reply, the last pending: 8 computed, 2 blocks
+        seen["between"] = rs.token_growth(block_tokens=4).retained_tokens
+        seen["between_completed"] = rs.token_growth(block_tokens=4, in_flight=False).retained_tokens
+        ticks = [asyncio.create_task(rs.tick(RealtimeTick(sid, 1, (20, 21, 22)))) for sid in ("u", "b")]
+        await asyncio.sleep(0.09)  # both ticks running, one reply token each so far (the second comes at >= 0.1 s)
+        seen["during"] = rs.token_growth(block_tokens=4).retained_tokens
+        seen["during_completed"] = rs.token_growth(block_tokens=4, in_flight=False).retained_tokens
+        seen["during_whole_tokens"] = rs.token_growth(block_tokens=0).retained_tokens
+        await asyncio.gather(*ticks)
+        seen["after"] = rs.token_growth(block_tokens=4).retained_tokens
+
+    asyncio.run(run())
+    assert seen["between"] == seen["between_completed"] == 8
+    u_prompt = 6 + 3 + 3  # history 6 + pending reply 3 + new input 3
+    b_prompt = len(runner.calls[-1].request.prompt_token_ids)  # bounded: preamble + its new input
+    # running: u's 12-token prompt + 1 reply token = 13 -> 4 blocks of 4; b's prompt + 1 -> its blocks
+    assert seen["during"] == 16 + in_flight_tokens(b_prompt + 1, 4)
+    assert seen["during_completed"] == 8  # the ablation: completed ticks only, as between ticks
+    assert seen["during_whole_tokens"] == u_prompt + 1 + b_prompt + 1
+    # both done: u's 12 prompt + 3 reply − 1 pending = 14 computed -> 3 whole blocks; b nothing
+    assert seen["after"] == 12

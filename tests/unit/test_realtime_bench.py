@@ -43,16 +43,18 @@ def test_the_cliff_score_of_an_exact_forecast_is_zero_and_the_onset_is_scored_to
     assert c["error_vs_onset"] == pytest.approx(sorted(16 / (82 - p["t_fit"]) for p in c["points"])[1])
 
 
-def test_the_whole_history_ablation_is_scored_beside_the_predictor_on_the_same_saturation() -> None:
+def test_the_ablations_are_scored_beside_the_predictor_on_the_same_saturation() -> None:
     pool = pool_series(rate=100.0, until=120.0)
-    for sample in pool:  # the ablation's forecast comes 10 s early at every sample
+    for sample in pool:  # completed ticks only comes 20 s late, whole histories 10 s early, at every sample
         eta = sample["eta_sat_s"]
+        sample["eta_sat_completed_s"] = None if eta is None else eta + 20.0
         sample["eta_sat_history_s"] = None if eta is None else max(0.0, eta - 10.0)
     c = realtime.cliff(pool, [], first_collapse=None)
-    h = c["whole_history"]
     assert c["error"] == pytest.approx(0.0, abs=1e-9)
-    assert [p["horizon_error"] for p in h["points"]] == pytest.approx([10 / (98 - p["t_fit"]) for p in c["points"]])
-    assert h["error"] == pytest.approx(10 / (98 - c["points"][1]["t_fit"]))
+    for key, off in (("completed_ticks", 20.0), ("whole_history", 10.0)):
+        h = c[key]
+        assert [p["horizon_error"] for p in h["points"]] == pytest.approx([off / (98 - p["t_fit"]) for p in c["points"]])
+        assert h["error"] == pytest.approx(off / (98 - c["points"][1]["t_fit"]))
 
 
 def test_no_saturation_means_no_cliff_figure() -> None:

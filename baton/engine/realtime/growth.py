@@ -42,6 +42,20 @@ def retained_tokens(state: SessionState, block_tokens: int = 0) -> int:
     return computed // block_tokens * block_tokens
 
 
+def in_flight_tokens(request_tokens: int, block_tokens: int = 0) -> int:
+    """Tokens whose KV the pool holds for a session while one of its ticks runs, in either mode:
+    the running request's blocks hold its whole prompt and the reply so far (`request_tokens`),
+    its partial tail block included — ⌈request_tokens ÷ B⌉ · B (request_tokens itself when B is
+    unknown). For an unbounded session that covers its cached history, which the request reuses.
+    Counted from the moment the replica hands the tick to the engine: a request still waiting in the
+    engine's queue holds only its cached blocks, so this overstates it by under one block."""
+    if request_tokens <= 0:
+        return 0
+    if block_tokens <= 0:
+        return request_tokens
+    return -(-request_tokens // block_tokens) * block_tokens
+
+
 @dataclass(frozen=True)
 class SessionGrowth:
     retained_tokens: int

@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from baton.engine.realtime.growth import POINTS, TokenGrowth, retained_tokens, session_growth, total_growth
+from baton.engine.realtime.growth import POINTS, TokenGrowth, in_flight_tokens, retained_tokens, session_growth, total_growth
 from baton.engine.realtime.messages import RealtimeOpen, RealtimeTick, TickResult
 from baton.engine.realtime.session import SessionSpec, SessionState, TickPlan, after_lost_kv, after_tick, open_session, plan_tick
 from baton.engine.types import EngineRequestError, EngineUnavailable, GenerationRequest, SamplingSpec
@@ -35,6 +35,7 @@ class _Live:
     tick_s: float | None = None
     opened_at: float = 0.0
     completed: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=POINTS))  # (at, retained tokens)
+    in_flight: int = 0  # tokens of the tick the engine is running (prompt + reply so far); 0 between ticks
 
 
 class UnknownSession(KeyError):
@@ -67,14 +68,23 @@ class RealtimeSessions:
         """Host memory held by bounded sessions' sink and window segments."""
         return sum(kv.nbytes for s in self._live.values() for kv in (s.state.sink_kv, s.state.window_kv) if kv is not None)
 
-    def token_growth(self, now: float | None = None, block_tokens: int | None = None) -> TokenGrowth:
+    def token_growth(self, now: float | None = None, block_tokens: int | None = None, in_flight: bool = True) -> TokenGrowth:
         """Retained tokens and growth rates of the live sessions (growth.py), at `now` (monotonic).
-        Retained tokens count whole KV blocks of the engine's pool (`block_tokens`, default the
-        engine's own; 0: whole histories, as the pool would hold them with one-token blocks)."""
+        Retained tokens count KV blocks of the engine's pool (`block_tokens`, default the engine's
+        own; 0: whole tokens, as the pool would hold them with one-token blocks): a session's whole
+        blocks of its completed ticks, or — while the engine runs one of its ticks and `in_flight` —
+        every block that request holds (growth.in_flight_tokens). An engine that runs behind has
+        most sessions' ticks in flight at once. The rates come from completed ticks either way."""
         now = time.monotonic() if now is None else now
         block = getattr(self._runner.stats, "kv_block_tokens", 0) if block_tokens is None else block_tokens
         return total_growth(session_growth(tuple(s.completed), s.tick_s, now, s.opened_at, s.state.spec.mode == "unbounded",
-                                           retained_tokens(s.state, block)) for s in self._live.values())
+                                           self._held(s, block, in_flight)) for s in self._live.values())
+
+    @staticmethod
+    def _held(live: _Live, block: int, in_flight: bool) -> int:
+        if in_flight and live.in_flight:
+            return max(in_flight_tokens(live.in_flight, block), retained_tokens(live.state, block))
+        return retained_tokens(live.state, block)
 
     async def tick(self, msg: RealtimeTick) -> TickResult:
         live = self._live.get(msg.session_id)
@@ -88,10 +98,12 @@ class RealtimeSessions:
                                     cache_salt=plan.salt)
             text, tokens, peak, cached = [], [], 0, 0
             error, fatal, result = None, False, None
+            live.in_flight = len(plan.prompt)
             try:  # the runner offers the injection, collects the capture and drops both on every exit
                 async for d in self._runner.generate(req, injection=plan.inject or None, capture=plan.capture):
                     text.append(d.text)
                     tokens.extend(d.token_ids)
+                    live.in_flight = len(plan.prompt) + len(tokens)
                     cached = max(cached, d.cached_tokens)
                     st = self._runner.stats
                     peak = max(peak, int(st.kv_usage * st.kv_capacity_tokens))
@@ -100,6 +112,8 @@ class RealtimeSessions:
                 captured = _checked_capture(result, plan)
             except (EngineRequestError, EngineUnavailable) as e:
                 error, captured, fatal = str(e), None, isinstance(e, EngineUnavailable)
+            finally:
+                live.in_flight = 0
             if error is None:
                 if captured is None:  # keep serving: the next tick recomputes the session's KV
                     live.state = after_lost_kv(live.state, plan, tuple(tokens))
