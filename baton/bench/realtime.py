@@ -99,7 +99,7 @@ class Workload:
     sink_tokens: int  # S
     window_tokens: int  # W
     max_tokens: int  # reply tokens per tick
-    kv_cache_gib: float  # the engine's KV pool (small on purpose)
+    kv_cache_tokens: int  # the engine's KV pool in tokens, whatever the dtype (small on purpose; _pool_gib)
     max_model_len: int
     grace_s: float  # unanswered this long after a session's last deadline: cancelled, missing
     target_p99_ms: float  # AIMD target, the SLO (tick latency p99, at the AIMD phase's period)
@@ -116,11 +116,13 @@ class Workload:
 # P = D = 8 s, 4 reply tokens: a probe of 20 bounded sessions ticking together at P = 2 s with 8
 # reply tokens took p50 2.2 s per tick on 2 shared cores with the machine otherwise quiet; quick runs
 # at P = 4 s and 6 s collapsed both modes whenever other jobs held the load average at 15-20 (this
-# process then gets ~0.35 cores), so the quick workload leaves ~2.5x that margin. 0.15 GiB = 6.9k
-# tokens: 20 unbounded sessions grow ~5 tokens/s each (a ~36-token LoCoMo turn + 4 reply tokens per
+# process then gets ~0.35 cores), so the quick workload leaves ~2.5x that margin. A 6.9k-token pool
+# (0.15 GiB in bf16, where these runs were made): 20 unbounded sessions grow ~5 tokens/s each (a ~36-token LoCoMo turn + 4 reply tokens per
 # tick; measured N·r ≈ 100 tokens/s) and fill it ~90 s after the ramp began, leaving ~55 s of each
-# session past the wall; with 0.2-0.25 GiB the wall came at 123-150 s, too close to the sessions' end
-# (~145 s) to tell a collapse from a slow patch.
+# session past the wall; with 0.2-0.25 GiB (9-11.5k tokens) the wall came at 123-150 s, too close to
+# the sessions' end (~145 s) to tell a collapse from a slow patch. Pools are set in tokens, so a
+# float32 host (no native bf16) gets the same pool at twice the bytes; the full workload's 9,216
+# tokens are what its first run had (0.4 GiB in float32, 2026-12-06).
 # AIMD phase: at P = 8 s the engine held 28 live sessions at p99 0.7 s (2026-12-02), and the cap
 # (+1 per control period) could not climb past ~35 in the phase, so the step never crossed the
 # target and no decrease was ever taken. The phase ticks at P = D = 2 s instead (4x the work per
@@ -136,18 +138,34 @@ class Workload:
 # unbounded p99 rose to 5.5 s but still under D. Hence 30 ticks per session (histories reach ~3.5x
 # the pool, not ~2.1x: ~10 ticks past the wall).
 QUICK = Workload(sessions=20, ticks=30, start_every_s=1.5, period_s=8.0, deadline_s=8.0, sink_tokens=16,
-                 window_tokens=256, max_tokens=4, kv_cache_gib=0.15, max_model_len=4096, grace_s=4.0,
+                 window_tokens=256, max_tokens=4, kv_cache_tokens=6912, max_model_len=4096, grace_s=4.0,
                  target_p99_ms=1500.0, aimd_s=300.0, aimd_ticks=8, aimd_period_s=2.0, aimd_low=4, aimd_high=64)
 FULL = Workload(sessions=20, ticks=40, start_every_s=3.0, period_s=8.0, deadline_s=8.0, sink_tokens=16,
-                window_tokens=256, max_tokens=4, kv_cache_gib=0.4, max_model_len=8192, grace_s=4.0,
+                window_tokens=256, max_tokens=4, kv_cache_tokens=9216, max_model_len=8192, grace_s=4.0,
                 target_p99_ms=1500.0, aimd_s=300.0, aimd_ticks=10, aimd_period_s=2.0, aimd_low=4, aimd_high=40)
+
+
+def _pool_gib(model_path: str, tokens: int) -> float:
+    """The KV pool size (GiB) that holds `tokens` tokens of the model in the dtype the engine will
+    run (engine_dtype "auto": bf16 where the CPU computes it natively, else float32), plus half a
+    block of slack for rounding, so a workload gets the same pool in tokens on every host."""
+    from baton.engine.args import engine_dtype
+    from baton.engine.simulated.geometry import GIB, geometry_of
+    from baton.engine.vllm_engine import native_cpu_bf16
+
+    with open(os.path.join(model_path, "config.json")) as f:
+        geo = geometry_of(json.load(f))
+    dtype_bytes = 4 if engine_dtype("auto", on_gpu=False, cpu_bf16=native_cpu_bf16()) == "float32" else 2
+    per_token = 2 * geo.layers * geo.kv_heads * geo.head_dim * dtype_bytes
+    return (tokens + 64) * per_token / GIB
 
 
 def _runner(model_path: str, wl: Workload) -> Any:
     from baton.bench.local_engine import local_engine
 
     # one engine thread: on 2 shared cores a 2-thread OMP pool spins against itself (~10x slower steps)
-    return local_engine(model_path, max_model_len=wl.max_model_len, kv_cache_gib=wl.kv_cache_gib, cpu_threads=1, max_num_seqs=64)
+    return local_engine(model_path, max_model_len=wl.max_model_len, kv_cache_gib=_pool_gib(model_path, wl.kv_cache_tokens),
+                        cpu_threads=1, max_num_seqs=64)
 
 
 async def _warm(runner: Any) -> None:
@@ -585,7 +603,7 @@ async def _main(quick: bool, out_dir: Path) -> dict[str, Any]:
                 chunks = _dialog_chunks(tok, max(wl.sessions, 40), wl.ticks)
             await _warm(runner)
             print(f"[realtime] {mode}: engine up in {time.perf_counter() - t0:.1f}s, KV pool "
-                  f"{runner.stats.kv_capacity_tokens} tokens ({wl.kv_cache_gib} GiB)", flush=True)
+                  f"{runner.stats.kv_capacity_tokens} tokens (asked {wl.kv_cache_tokens})", flush=True)
             modes[mode] = await _ramp(runner, mode, wl, preamble, chunks)
             modes[mode]["kv_capacity_tokens"] = runner.stats.kv_capacity_tokens
             _print_mode(mode, modes[mode])

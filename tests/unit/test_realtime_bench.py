@@ -138,3 +138,18 @@ def test_the_result_line_ends_with_the_shed_sessions() -> None:
     assert realtime.result_line(realtime.run_result(modes, aimd)) == (
         "RESULT bounded_collapsed=0 unbounded_collapsed=3 cliff_prediction_error=0.265 aimd_p99_over_target=nan aimd_decreases=2 "
         "aimd_shed=7")
+
+
+@pytest.mark.parametrize(("bf16", "dtype_bytes"), [(True, 2), (False, 4)])
+def test_the_pool_is_sized_in_tokens_whatever_the_dtype(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, bf16: bool,
+                                                        dtype_bytes: int) -> None:
+    import json
+
+    from baton.engine import vllm_engine
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "num_attention_heads": 9,
+                                                      "num_key_value_heads": 3, "hidden_size": 576}))
+    monkeypatch.setattr(vllm_engine, "native_cpu_bf16", lambda: bf16)
+    per_token = 2 * 30 * 3 * 64 * dtype_bytes  # K and V, layers, KV heads, head dim
+    gib = realtime._pool_gib(str(tmp_path), 6912)
+    assert int(gib * (1 << 30)) // (per_token * 128) == 6912 // 128  # whole 128-token blocks: exactly the tokens asked

@@ -36,7 +36,11 @@ class KVGeometry:
 
 def kv_geometry(model: str) -> KVGeometry:
     with open(aic_model_config_path(model)) as f:
-        cfg = json.load(f)
+        return geometry_of(json.load(f))
+
+
+def geometry_of(cfg: dict) -> KVGeometry:
+    """The KV geometry an HF `config.json` (parsed) describes."""
     cfg = cfg.get("text_config", cfg)
     heads = int(cfg["num_attention_heads"])
     return KVGeometry(
