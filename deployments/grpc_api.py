@@ -37,7 +37,7 @@ from deployments.grpc_mapping import (
     models_message,
     response_message,
 )
-from deployments.grpc_realtime import FrameSocket, frame, run_session
+from deployments.grpc_realtime import FrameSocket, first_frame_read, frame, run_session
 from deployments.grpc_status import StatusContext, caller_of, error_status, metadata_text
 from deployments.memory_api import USER_HEADER, memory_headers
 from deployments.protocol import ChatCompletionRequest, CompletionRequest
@@ -148,14 +148,12 @@ class GrpcFrontend:
         return message(error=error_message(e))
 
     async def realtime(self, requests: AsyncIterator[Any], context: StatusContext) -> AsyncIterator[pb.RealtimeFrame]:
-        if self._realtime is None:
-            e = APIError(404, "real-time sessions are off on this deployment (config `realtime`)", code="realtime_unavailable")
-            error_status(e).apply(context)
-            yield frame({"type": "error", "code": e.code, "message": e.message})
-            return
         try:
+            if self._realtime is None:
+                raise APIError(404, "real-time sessions are off on this deployment (config `realtime`)", code="realtime_unavailable")
             caller, metadata = self._caller(context, "Realtime")
         except APIError as e:
+            await first_frame_read(requests)  # so the client's first write is not racing the refusal
             error_status(e).apply(context)
             yield frame({"type": "error", "code": e.code, "message": e.message})
             return

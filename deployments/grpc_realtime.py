@@ -49,6 +49,7 @@ _BY_CLOSE = {
 }
 _BY_FRAME_CODE = {"too_many_sessions": grpc.StatusCode.RESOURCE_EXHAUSTED, "user_mismatch": grpc.StatusCode.PERMISSION_DENIED,
                   "invalid_api_key": grpc.StatusCode.UNAUTHENTICATED}
+FIRST_FRAME_WAIT_S = 2.0  # how long a refused call waits for the client's first frame (first_frame_read)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,16 @@ class FrameSocket:
 
     async def close(self, code: int = CLOSE_NORMAL, reason: str | None = None) -> None:
         self.outbox.put_nowait(Close(code, reason or ""))
+
+
+async def first_frame_read(requests: AsyncIterator[Any], wait_s: float | None = None) -> None:
+    """Read (and drop) the client's first frame, waiting at most `wait_s`, before a call is refused.
+    A client opens the stream and writes its session.start at once; a call that ends while that
+    write is in flight fails the write, and grpc's client then reports INTERNAL instead of the
+    refusal's status. Reading it first makes the refusal what the client sees; a client that
+    writes nothing is refused after `wait_s` (default FIRST_FRAME_WAIT_S)."""
+    with contextlib.suppress(StopAsyncIteration, TimeoutError, grpc.RpcError):
+        await asyncio.wait_for(requests.__anext__(), FIRST_FRAME_WAIT_S if wait_s is None else wait_s)
 
 
 def frame(data: dict[str, Any]) -> pb.RealtimeFrame:

@@ -11,7 +11,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import pytest
 
+from deployments import grpc_realtime
 from deployments.chat import PromptRenderer
 from deployments.chat_service import ChatService
 from deployments.config import RealtimeConfig
@@ -146,20 +148,40 @@ def test_the_session_cap_is_resource_exhausted_with_retry_after() -> None:
     assert first_code == grpc.StatusCode.OK and rt.live == 0
 
 
+def test_a_refused_call_reads_the_first_frame_and_a_silent_client_is_refused_anyway(monkeypatch: pytest.MonkeyPatch) -> None:
+    g, _, _ = make()
+    off = GrpcFrontend(g._chat)  # no real-time frontend: the deployment has `realtime` off
+    monkeypatch.setattr(grpc_realtime, "FIRST_FRAME_WAIT_S", 0.05)
+
+    async def writes_first(s: Session) -> Any:
+        await s.send(START)
+        return await s.recv(), await s.status()
+
+    async def silent(s: Session) -> Any:
+        return await s.recv(), await s.status()
+
+    for script in (writes_first, silent):
+        frame, (code, details, _) = drive(off, script)
+        assert frame["code"] == "realtime_unavailable" and code == grpc.StatusCode.NOT_FOUND and details == frame["message"]
+
+
 def test_keys_from_metadata_decide_the_sessions_user() -> None:
     g, rt, _ = make(keys=KEYS, max_sessions_per_user=1)
 
     async def unauthenticated(s: Session) -> Any:
-        # refused at the call's start, before any frame is read: a frame written meanwhile races
-        # with the call's end, and grpc's client then reports INTERNAL for the write (1 run in ~10)
+        # the usual client: its session.start written at once. The call is refused at its start; the
+        # server reads that frame first, so the write never races the call's end (which grpc's client
+        # reports as INTERNAL: 1 run in ~10 before it did)
+        await s.send(START)
         return await s.recv(), await s.status()
 
     async def refused(s: Session) -> Any:
         await s.send(START)
         return await s.recv(), await s.status()
 
-    frame, (code, _, _) = drive(g, unauthenticated, [("authorization", "Bearer nope")])
-    assert frame["code"] == "invalid_api_key" and code == grpc.StatusCode.UNAUTHENTICATED
+    for _ in range(20):  # the race was 1 in ~10
+        frame, (code, _, _) = drive(g, unauthenticated, [("authorization", "Bearer nope")])
+        assert frame["code"] == "invalid_api_key" and code == grpc.StatusCode.UNAUTHENTICATED
     frame, (code, _, _) = drive(g, refused, [("authorization", "Bearer anakey"), ("x-baton-user", "bob")])
     assert frame["code"] == "user_mismatch" and code == grpc.StatusCode.PERMISSION_DENIED
 
