@@ -63,7 +63,6 @@ def replica_report(replica_id: str, pool: str, stats: EngineStats, transfers: Tr
         extra=tuple((extra or {}).items()),
         conversations=conversations,
         retained_tokens=growth.retained_tokens if growth else 0,
-        backlog_tokens=growth.backlog_tokens if growth else 0,
         offered_growth_tokens_per_s=growth.offered_tokens_per_s if growth else 0.0,
         served_growth_tokens_per_s=growth.served_tokens_per_s if growth else 0.0,
         node_id=node_id,

@@ -13,15 +13,7 @@ from what its replica counts (baton/engine/realtime/growth.py):
     offered g_o = Σ tokens a session appended over its recent ticks ÷ (those ticks × its period)
     served  g_s = Σ the same tokens ÷ the seconds those ticks really took (measured tokens/s)
     growth  g   = min(g_o, g_s)       the pool fills no faster than the engine serves the ticks
-    behind      = g_s < BEHIND_SHARE · g_o
-    R'          = max(R, backlog B) when behind, else R
-    t_sat       = at + (C − R') ÷ g   C: the pool's capacity in tokens
-
-An engine that serves less than its sessions offer cannot catch up: ticks queue until every
-session has one in flight, and the pool then holds each session's running request whole — the
-backlog B (growth.py: Σ every session's tick in flight, partial tail blocks included). Forecasting
-from R there comes late by the backlog's extra blocks; BEHIND_SHARE keeps the measurement noise of
-an engine that keeps up (served within a few % under offered) from counting as behind.
+    t_sat       = at + (C − R) ÷ g    C: the pool's capacity in tokens
 
 No saturation ahead (eta None) when g = 0 or C is unknown (0); eta 0 when R >= C already.
 Sessions still warming up (one tick so far) count at the others' mean rate (growth.py).
@@ -39,8 +31,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-BEHIND_SHARE = 0.95  # served under this share of offered: the engine is behind (forecast from the backlog)
-
 
 @dataclass(frozen=True)
 class DecoderTokens:
@@ -51,11 +41,9 @@ class DecoderTokens:
     retained_tokens: int
     offered_tokens_per_s: float
     served_tokens_per_s: float
-    backlog_tokens: int = 0  # with every session's tick in flight (0: unknown, R is used)
 
     def __post_init__(self) -> None:
-        figures = (self.capacity_tokens, self.retained_tokens, self.offered_tokens_per_s, self.served_tokens_per_s,
-                   self.backlog_tokens)
+        figures = (self.capacity_tokens, self.retained_tokens, self.offered_tokens_per_s, self.served_tokens_per_s)
         if any(not math.isfinite(x) or x < 0 for x in figures):
             raise ValueError(f"token figures must be finite and >= 0, got {figures}")
 
@@ -66,10 +54,9 @@ class CliffForecast:
 
     at: float
     capacity_tokens: int
-    retained_tokens: int  # R' (the backlog when behind)
+    retained_tokens: int
     growth_tokens_per_s: float  # min(offered, served)
     capped: bool  # the engine serves less than the sessions offer: growth is the served rate
-    behind: bool  # it serves under BEHIND_SHARE of it: retained_tokens is the backlog
     eta_s: float | None  # seconds from `at` until R reaches C; None: not filling or capacity unknown
 
     @property
@@ -89,10 +76,8 @@ class CliffForecast:
 def forecast_cliff(state: DecoderTokens, at: float) -> CliffForecast:
     growth = min(state.offered_tokens_per_s, state.served_tokens_per_s)
     capped = state.served_tokens_per_s < state.offered_tokens_per_s
-    behind = state.served_tokens_per_s < BEHIND_SHARE * state.offered_tokens_per_s
-    retained = max(state.retained_tokens, state.backlog_tokens) if behind else state.retained_tokens
-    eta = _seconds_to(float(state.capacity_tokens) if state.capacity_tokens > 0 else None, retained, growth, 1.0)
-    return CliffForecast(at, state.capacity_tokens, retained, growth, capped, behind, eta)
+    eta = _seconds_to(float(state.capacity_tokens) if state.capacity_tokens > 0 else None, state.retained_tokens, growth, 1.0)
+    return CliffForecast(at, state.capacity_tokens, state.retained_tokens, growth, capped, eta)
 
 
 def _seconds_to(level: float | None, retained: int, growth: float, fraction: float) -> float | None:

@@ -51,7 +51,7 @@ class ConversationDirectory:
             "capped at what the engine serves (router/cliff.py); -1: not filling",
             tag_keys=("decoder",))
         self._retained = metrics.Gauge(
-            "baton_cliff_retained_tokens", "KV tokens the cliff forecast counts in a decoder's pool (its backlog when behind)", tag_keys=("decoder",))
+            "baton_cliff_retained_tokens", "KV tokens a decode replica's real-time sessions hold in its pool (ticks in flight included)", tag_keys=("decoder",))
         self._growth = metrics.Gauge(
             "baton_cliff_growth_tokens_per_second", "how fast those tokens grow (min of offered and served)", tag_keys=("decoder",))
         self._kv_transfers = metrics.Gauge(

@@ -6,10 +6,9 @@ The same figures, flattened (`figures()`), are what the replica returns to Serve
 `record_routing_stats` (read by router/serve_router.py) and what the directory's snapshot shows
 per replica (/baton/stats).
 
-The token figures (`retained_tokens`, `backlog_tokens`, `offered_growth_tokens_per_s`,
-`served_growth_tokens_per_s`) are what the cliff predictor (router/cliff.py) reads: the real-time
-sessions' KV in the pool, with all their ticks in flight, and how fast it grows
-(baton/engine/realtime/growth.py).
+The token figures (`retained_tokens`, `offered_growth_tokens_per_s`, `served_growth_tokens_per_s`)
+are what the cliff predictor (router/cliff.py) reads: the real-time sessions' retained history and
+how fast it grows (baton/engine/realtime/growth.py).
 
 `conversations` is how a restarted directory gets its pins back: the conversations whose KV the
 replica holds (it served a turn of them lately), with how long each has been idle there."""
@@ -25,8 +24,7 @@ POOLS = ("prefill", "decode")
 MAX_REPORTED_CONVERSATIONS = 4096  # the most recent conversations one report lists
 _NOT_FIGURES = frozenset({"replica_id", "pool", "extra", "conversations", "node_id"})
 _COUNTS = ("kv_capacity_tokens", "num_running", "num_waiting", "pending_prefill_tokens", "in_flight",
-           "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfers_offered", "retained_tokens",
-           "backlog_tokens")
+           "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfers_offered", "retained_tokens")
 _RATES = ("offered_growth_tokens_per_s", "served_growth_tokens_per_s")
 
 
@@ -55,8 +53,7 @@ class ReplicaReport:
     kv_bytes_received: int = 0
     kv_transfer_failures: int = 0
     kv_transfers_offered: int = 0  # KV handoffs this replica produced for a decoder
-    retained_tokens: int = 0  # KV tokens its real-time sessions hold in the pool now
-    backlog_tokens: int = 0  # ... and would hold with every session's tick in flight
+    retained_tokens: int = 0  # KV tokens its real-time sessions keep in the pool between ticks
     offered_growth_tokens_per_s: float = 0.0  # how fast those sessions append tokens (their tick periods)
     served_growth_tokens_per_s: float = 0.0  # how fast the engine really got through their ticks
     extra: tuple[tuple[str, float], ...] = ()
@@ -82,7 +79,7 @@ class ReplicaReport:
     def decoder_tokens(self) -> DecoderTokens:
         """The token figures the cliff predictor reads (router/cliff.py)."""
         return DecoderTokens(self.kv_capacity_tokens, self.retained_tokens, self.offered_growth_tokens_per_s,
-                             self.served_growth_tokens_per_s, self.backlog_tokens)
+                             self.served_growth_tokens_per_s)
 
     def figures(self) -> dict[str, Any]:
         """The flat figures: every field but replica_id, pool, node_id, extra and conversations, then the extra figures."""

@@ -23,11 +23,10 @@ Definitions (reported as measured, nothing simulated):
   session has ended). Bounded: blocks in use only — its per-tick salts make every cached block
   single-use, dead KV that vLLM evicts on demand (reported as `cached_blocks`, not in ρ).
 - cliff: every SAMPLE_S the predictor forecasts from the sessions' token counts (retained history
-  in whole KV blocks, a tick in flight as every block its request holds, the backlog when the
-  engine is behind; growth = min(offered, served); RealtimeSessions.token_growth) the seconds until
-  retained tokens reach SAT_RHO of the pool's capacity; side by side, the same forecast without the
-  backlog (`cliff.in_flight_only`), from completed ticks only (`cliff.completed_ticks`) and counting
-  whole histories (partial tail blocks as if held, ticks in flight not: `cliff.whole_history`).
+  in whole KV blocks, a tick in flight as every block its request holds; growth = min(offered,
+  served); RealtimeSessions.token_growth) the seconds until retained tokens reach SAT_RHO of the
+  pool's capacity; side by side, the same forecast from completed ticks only (`cliff.completed_ticks`)
+  and counting whole histories (partial tail blocks as if held, ticks in flight not: `cliff.whole_history`).
   Measured saturation t_sat: the first sample with ρ >= SAT_RHO.
   Collapse onset: collapse.collapse_onset — the deadline of the first of DEFAULT_CONSECUTIVE (3)
   consecutive late-or-missing ticks of the engine, all sessions' ticks in scheduled-send order.
@@ -321,11 +320,9 @@ class _Phase:
             rho = (held if self.mode == "unbounded" else in_use) / usable
             g = self.sessions.token_growth(time.monotonic())
             capacity = self.runner.stats.kv_capacity_tokens
-            fc = forecast_cliff(DecoderTokens(capacity, g.retained_tokens, g.offered_tokens_per_s, g.served_tokens_per_s,
-                                              g.backlog_tokens), self.now())
-            # side by side, the same forecast without the backlog (ticks in flight now only), from completed
-            # ticks only (before ticks in flight were counted) and from whole histories (before whole blocks)
-            fi = forecast_cliff(DecoderTokens(capacity, g.retained_tokens, g.offered_tokens_per_s, g.served_tokens_per_s), self.now())
+            fc = forecast_cliff(DecoderTokens(capacity, g.retained_tokens, g.offered_tokens_per_s, g.served_tokens_per_s), self.now())
+            # side by side, the same forecast from completed ticks only (the predictor before ticks in flight
+            # were counted) and from whole histories (before whole-block counting)
             gc = self.sessions.token_growth(time.monotonic(), in_flight=False)
             fcc = forecast_cliff(DecoderTokens(capacity, gc.retained_tokens, gc.offered_tokens_per_s, gc.served_tokens_per_s), self.now())
             gh = self.sessions.token_growth(time.monotonic(), block_tokens=0, in_flight=False)
@@ -335,8 +332,6 @@ class _Phase:
                               "offered_tokens_per_s": g.offered_tokens_per_s, "served_tokens_per_s": g.served_tokens_per_s,
                               "growth_tokens_per_s": fc.growth_tokens_per_s, "growth_capped": fc.capped,
                               "growing_sessions": g.growing_sessions, "eta_s": fc.eta_s, "eta_sat_s": fc.seconds_to(SAT_RHO),
-                              "backlog_tokens": g.backlog_tokens, "behind": fc.behind, "forecast_tokens": fc.retained_tokens,
-                              "eta_sat_in_flight_s": fi.seconds_to(SAT_RHO),
                               "retained_completed_tokens": gc.retained_tokens, "eta_sat_completed_s": fcc.seconds_to(SAT_RHO),
                               "retained_history_tokens": gh.retained_tokens, "eta_sat_history_s": fh.seconds_to(SAT_RHO),
                               "block_tokens": self.runner.stats.kv_block_tokens,
@@ -428,9 +423,9 @@ def cliff(pool: Sequence[dict[str, Any]], outcomes: Sequence[TickOutcome], first
     onset = collapse_onset(outcomes)
     samples = [ForecastSample(s["t"], s["eta_sat_s"]) for s in pool if s["live"] > 0]
     score = score_cliff(samples, start=start, saturation=measured, onset=onset)
-    in_flight, completed, history = (score_cliff([ForecastSample(s["t"], s.get(key)) for s in pool if s["live"] > 0],
-                                                 start=start, saturation=measured, onset=onset)
-                                     for key in ("eta_sat_in_flight_s", "eta_sat_completed_s", "eta_sat_history_s"))
+    completed, history = (score_cliff([ForecastSample(s["t"], s.get(key)) for s in pool if s["live"] > 0],
+                                      start=start, saturation=measured, onset=onset)
+                          for key in ("eta_sat_completed_s", "eta_sat_history_s"))
     capped = [s for s in pool if s["live"] > 0 and measured is not None and s["t"] < measured]
     return {"predictor": "tokens: (SAT_RHO x capacity - retained) / min(offered, served)", "saturation_rho": SAT_RHO,
             "fit_fractions": list(FIT_FRACTIONS), "measured_saturation_s": measured, "onset_s": onset,
@@ -439,19 +434,18 @@ def cliff(pool: Sequence[dict[str, Any]], outcomes: Sequence[TickOutcome], first
             "capped_share": sum(s["growth_capped"] for s in capped) / len(capped) if capped else None,
             "points": [{**asdict(p), "at_fit": _at_fit(pool, p.t_fit)} for p in score.points],
             "error": score.horizon_error, "error_vs_onset": score.onset_error,
-            # the ablations: no backlog when behind (ticks in flight now only); ticks in flight not counted
-            # (whole blocks of completed ticks only); retained tokens as whole histories (partial tail
-            # blocks counted as held, ticks in flight not)
+            # the ablations: ticks in flight not counted (whole blocks of completed ticks only), and retained
+            # tokens as whole histories (partial tail blocks counted as held, ticks in flight not)
             **{name: {"points": [asdict(p) for p in sc.points], "error": sc.horizon_error, "error_vs_onset": sc.onset_error}
-               for name, sc in (("in_flight_only", in_flight), ("completed_ticks", completed), ("whole_history", history))}}
+               for name, sc in (("completed_ticks", completed), ("whole_history", history))}}
 
 
 def _at_fit(pool: Sequence[dict[str, Any]], t_fit: float | None) -> dict[str, Any] | None:
     """What the predictor saw at a fit point (the pool sample of that time), to explain its error."""
     s = next((s for s in pool if s["t"] == t_fit), None)
-    keys = ("live", "growing_sessions", "retained_tokens", "backlog_tokens", "behind", "forecast_tokens", "offered_tokens_per_s",
-            "served_tokens_per_s", "growth_tokens_per_s", "growth_capped", "rho")
-    return {k: s.get(k) for k in keys} if s is not None else None
+    keys = ("live", "growing_sessions", "retained_tokens", "offered_tokens_per_s", "served_tokens_per_s", "growth_tokens_per_s",
+            "growth_capped", "rho")
+    return {k: s[k] for k in keys} if s is not None else None
 
 
 def mode_report(phase: _Phase) -> dict[str, Any]:
@@ -687,8 +681,7 @@ def _print_summary(modes: dict[str, Any], aimd: dict[str, Any], wl: Workload) ->
         print(f"  fit {100 * p['fraction']:.0f}%: at {_num(p['t_fit'], 1)}s predicted {_num(p['predicted_s'], 1)}s -> "
               f"e={_num(p['horizon_error'])}, e_vs_onset={_num(p['onset_error'])}")
     print(f"  median: e={_num(c['error'])}, e_vs_onset={_num(c['error_vs_onset'])}")
-    for key, what in (("in_flight_only", "without the backlog when behind"), ("completed_ticks", "not counting ticks in flight"),
-                      ("whole_history", "counting whole histories instead")):
+    for key, what in (("completed_ticks", "not counting ticks in flight"), ("whole_history", "counting whole histories instead")):
         h = c.get(key)
         if h is not None:
             print(f"  {what}: e={_num(h['error'])} ({' / '.join(_num(p['horizon_error']) for p in h['points'])}), "

@@ -31,18 +31,6 @@ def test_growth_is_capped_at_what_the_engine_serves() -> None:
     assert fc.eta_s == pytest.approx(150.0)
 
 
-def test_an_engine_behind_is_forecast_from_the_backlog_one_that_keeps_up_from_what_it_holds() -> None:
-    # 20 sessions hold 1,000 tokens between ticks, 3,000 with every tick in flight (partial tail blocks, new input)
-    behind = forecast_cliff(DecoderTokens(7_000, 1_000, 100.0, 80.0, backlog_tokens=3_000), at=0.0)
-    assert behind.behind and behind.retained_tokens == 3_000 and behind.eta_s == pytest.approx(4_000 / 80.0)
-    # served within BEHIND_SHARE of offered: noise of an engine that keeps up, the backlog not used
-    keeps_up = forecast_cliff(DecoderTokens(7_000, 1_000, 100.0, 96.0, backlog_tokens=3_000), at=0.0)
-    assert not keeps_up.behind and keeps_up.capped and keeps_up.retained_tokens == 1_000
-    assert keeps_up.eta_s == pytest.approx(6_000 / 96.0)
-    # a backlog under what is held now (unknown: 0) never lowers the forecast's tokens
-    assert forecast_cliff(DecoderTokens(7_000, 1_000, 100.0, 50.0), at=0.0).retained_tokens == 1_000
-
-
 @pytest.mark.parametrize("state", [
     DecoderTokens(7_000, 1_000, 0.0, 0.0),  # no growing session (bounded sessions, or idle ones)
     DecoderTokens(0, 1_000, 100.0, 100.0),  # capacity unknown
@@ -101,11 +89,9 @@ def test_the_replica_report_carries_its_sessions_token_growth() -> None:
     from deployments.replica_report import replica_report
     from kv_transfer.ledger import TransferTotals
 
-    growth = TokenGrowth(sessions=3, growing_sessions=2, retained_tokens=900, offered_tokens_per_s=10.0, served_tokens_per_s=8.0,
-                         backlog_tokens=1_500)
+    growth = TokenGrowth(sessions=3, growing_sessions=2, retained_tokens=900, offered_tokens_per_s=10.0, served_tokens_per_s=8.0)
     r = replica_report("d0", "decode", EngineStats(kv_capacity_tokens=5_000), TransferTotals(), growth=growth)
-    assert (r.retained_tokens, r.backlog_tokens, r.offered_growth_tokens_per_s, r.served_growth_tokens_per_s) == (900, 1_500, 10.0, 8.0)
-    assert r.decoder_tokens().backlog_tokens == 1_500
+    assert (r.retained_tokens, r.offered_growth_tokens_per_s, r.served_growth_tokens_per_s) == (900, 10.0, 8.0)
     assert replica_report("d0", "decode", EngineStats(), TransferTotals()).retained_tokens == 0
 
 

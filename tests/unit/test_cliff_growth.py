@@ -133,12 +133,10 @@ def test_the_manager_counts_the_blocks_of_ticks_the_engine_is_running() -> None:
     async def run() -> None:
         await rs.tick(RealtimeTick("u", 0, (10, 11)))  # u: 6 prompt + 3 reply, the last pending: 8 computed, 2 blocks
         seen["between"] = rs.token_growth(block_tokens=4).retained_tokens
-        seen["backlog_between"] = rs.token_growth(block_tokens=4).backlog_tokens
         seen["between_completed"] = rs.token_growth(block_tokens=4, in_flight=False).retained_tokens
         ticks = [asyncio.create_task(rs.tick(RealtimeTick(sid, 1, (20, 21, 22)))) for sid in ("u", "b")]
         await asyncio.sleep(0.09)  # both ticks running, one reply token each so far (the second comes at >= 0.1 s)
         seen["during"] = rs.token_growth(block_tokens=4).retained_tokens
-        seen["backlog_during"] = rs.token_growth(block_tokens=4).backlog_tokens
         seen["during_completed"] = rs.token_growth(block_tokens=4, in_flight=False).retained_tokens
         seen["during_whole_tokens"] = rs.token_growth(block_tokens=0).retained_tokens
         await asyncio.gather(*ticks)
@@ -146,13 +144,10 @@ def test_the_manager_counts_the_blocks_of_ticks_the_engine_is_running() -> None:
 
     asyncio.run(run())
     assert seen["between"] == seen["between_completed"] == 8
-    # u's next tick: history 6 + pending reply 3 + its last input 2 = 11 tokens -> 3 blocks; b has not ticked
-    assert seen["backlog_between"] == 12
     u_prompt = 6 + 3 + 3  # history 6 + pending reply 3 + new input 3
     b_prompt = len(runner.calls[-1].request.prompt_token_ids)  # bounded: preamble + its new input
     # running: u's 12-token prompt + 1 reply token = 13 -> 4 blocks of 4; b's prompt + 1 -> its blocks
     assert seen["during"] == 16 + in_flight_tokens(b_prompt + 1, 4)
-    assert seen["backlog_during"] == seen["during"]  # with both ticks in flight, the backlog is what they hold
     assert seen["during_completed"] == 8  # the ablation: completed ticks only, as between ticks
     assert seen["during_whole_tokens"] == u_prompt + 1 + b_prompt + 1
     # both done: u's 12 prompt + 3 reply − 1 pending = 14 computed -> 3 whole blocks; b nothing

@@ -30,7 +30,7 @@ def test_figures_are_the_flat_fields_then_the_extra_figures() -> None:
     assert figures == {
         "kv_usage": 0.25, "kv_resident": 0.5, "kv_capacity_tokens": 4096, "num_running": 2, "num_waiting": 3,
         "pending_prefill_tokens": 700, "in_flight": 5, "kv_transfers_received": 4, "kv_bytes_received": 8192,
-        "kv_transfer_failures": 1, "kv_transfers_offered": 6, "retained_tokens": 0, "backlog_tokens": 0, "offered_growth_tokens_per_s": 0.0,
+        "kv_transfer_failures": 1, "kv_transfers_offered": 6, "retained_tokens": 0, "offered_growth_tokens_per_s": 0.0,
         "served_growth_tokens_per_s": 0.0, "checkpoints_held": 3,
     }
 

@@ -13,12 +13,6 @@ growth. A session that retains KV and is still warming up (fewer than 2 complete
 declared period, not stale) has no rate of its own yet: it is counted at the mean rates of the
 sessions that have one, as Metronome's N·r counts every live session at the mean rate r. `TokenGrowth` sums them over the
 replica's sessions; router/cliff.py turns that into a forecast.
-
-Backlog: what the pool would hold with every session's tick in flight — each session's running
-request, or its next one (history + pending reply + its last input for an unbounded session, its
-last request for a bounded one), in whole blocks. An engine that serves less than it is offered
-builds a queue until every session has a tick outstanding; router/cliff.py forecasts from the
-backlog then.
 """
 from __future__ import annotations
 
@@ -68,9 +62,6 @@ class SessionGrowth:
     offered_tokens_per_s: float
     served_tokens_per_s: float
     warming: bool = False  # no rate of its own yet: total_growth counts it at the others' mean
-    # what the pool holds for the session while a tick of it is in flight (in_flight_tokens of its
-    # running request, else of its next one); never below retained_tokens (total_growth)
-    backlog_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,19 +73,16 @@ class TokenGrowth:
     retained_tokens: int
     offered_tokens_per_s: float
     served_tokens_per_s: float
-    backlog_tokens: int = 0  # Σ sessions' backlog tokens: the pool with every session's tick in flight (>= retained)
 
 
 def session_growth(points: Sequence[tuple[float, int]], tick_s: float | None, now: float, opened_at: float,
-                   retains: bool = True, retained_now: int | None = None, backlog_now: int = 0) -> SessionGrowth:
+                   retains: bool = True, retained_now: int | None = None) -> SessionGrowth:
     """`points`: (completed_at, retained) of the session's last ticks, oldest first; `retains`:
     whether the session keeps KV in the pool at all (False for bounded sessions: never warming);
     `retained_now`: what the pool holds for it now (retained_tokens with the block size), reported
-    instead of the last point's figure — the rates still come from the points; `backlog_now`: what
-    it holds while a tick of it is in flight (SessionGrowth.backlog_tokens)."""
+    instead of the last point's figure — the rates still come from the points."""
     g = _session_growth(points, tick_s, now, opened_at, retains)
-    g = g if retained_now is None else replace(g, retained_tokens=retained_now)
-    return replace(g, backlog_tokens=backlog_now)
+    return g if retained_now is None else replace(g, retained_tokens=retained_now)
 
 
 def _session_growth(points: Sequence[tuple[float, int]], tick_s: float | None, now: float, opened_at: float,
@@ -116,15 +104,14 @@ def _session_growth(points: Sequence[tuple[float, int]], tick_s: float | None, n
 
 
 def total_growth(sessions: Iterable[SessionGrowth]) -> TokenGrowth:
-    n = growing = warming = retained = backlog = 0
+    n = growing = warming = retained = 0
     offered = served = 0.0
     for s in sessions:
         n += 1
         growing += s.offered_tokens_per_s > 0
         warming += s.warming
         retained += s.retained_tokens
-        backlog += max(s.backlog_tokens, s.retained_tokens)
         offered += s.offered_tokens_per_s
         served += s.served_tokens_per_s
     scale = 1 + warming / growing if growing else 1.0  # the warming sessions at the growing ones' mean
-    return TokenGrowth(n, growing + (warming if growing else 0), retained, offered * scale, served * scale, backlog)
+    return TokenGrowth(n, growing + (warming if growing else 0), retained, offered * scale, served * scale)

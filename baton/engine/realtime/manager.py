@@ -36,8 +36,6 @@ class _Live:
     opened_at: float = 0.0
     completed: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=POINTS))  # (at, retained tokens)
     in_flight: int = 0  # tokens of the tick the engine is running (prompt + reply so far); 0 between ticks
-    last_input: int = 0  # input tokens of its last tick
-    last_request: int = 0  # prompt + reply tokens of its last tick
 
 
 class UnknownSession(KeyError):
@@ -80,24 +78,13 @@ class RealtimeSessions:
         now = time.monotonic() if now is None else now
         block = getattr(self._runner.stats, "kv_block_tokens", 0) if block_tokens is None else block_tokens
         return total_growth(session_growth(tuple(s.completed), s.tick_s, now, s.opened_at, s.state.spec.mode == "unbounded",
-                                           self._held(s, block, in_flight), self._backlog(s, block)) for s in self._live.values())
+                                           self._held(s, block, in_flight)) for s in self._live.values())
 
     @staticmethod
     def _held(live: _Live, block: int, in_flight: bool) -> int:
         if in_flight and live.in_flight:
             return max(in_flight_tokens(live.in_flight, block), retained_tokens(live.state, block))
         return retained_tokens(live.state, block)
-
-    @staticmethod
-    def _backlog(live: _Live, block: int) -> int:
-        """The blocks its tick in flight holds: the running request, else its next one (growth.py)."""
-        if live.in_flight:
-            return in_flight_tokens(live.in_flight, block)
-        if not live.last_request:  # no tick yet
-            return 0
-        st = live.state
-        nxt = len(st.history) + len(st.pending) + live.last_input if st.spec.mode == "unbounded" else live.last_request
-        return in_flight_tokens(nxt, block)
 
     async def tick(self, msg: RealtimeTick) -> TickResult:
         live = self._live.get(msg.session_id)
@@ -133,7 +120,6 @@ class RealtimeSessions:
                 else:
                     live.state = after_tick(live.state, plan, captured, tuple(tokens))
                 live.completed.append((time.monotonic(), retained_tokens(live.state)))
-                live.last_input, live.last_request = len(msg.input_ids), len(plan.prompt) + len(tokens)
             live.last_used = time.monotonic()
             return TickResult(seq=msg.seq, text="".join(text), token_ids=tuple(tokens), server_s=time.perf_counter() - t0,
                               prompt_tokens=len(plan.prompt), kv_peak_tokens=peak,
