@@ -7,7 +7,7 @@ The same figures, flattened (`figures()`), are what the replica returns to Serve
 per replica (/baton/stats).
 
 The token figures (`retained_tokens`, `offered_growth_tokens_per_s`, `served_growth_tokens_per_s`)
-are what the cliff predictor (router/cliff.py) reads: the real-time sessions' retained history and
+are what the cliff predictor (router/cliff.py) reads: the real-time sessions' KV in the pool and
 how fast it grows (baton/engine/realtime/growth.py).
 
 `conversations` is how a restarted directory gets its pins back: the conversations whose KV the
@@ -53,7 +53,7 @@ class ReplicaReport:
     kv_bytes_received: int = 0
     kv_transfer_failures: int = 0
     kv_transfers_offered: int = 0  # KV handoffs this replica produced for a decoder
-    retained_tokens: int = 0  # KV tokens its real-time sessions keep in the pool between ticks
+    retained_tokens: int = 0  # KV tokens its real-time sessions hold in the pool now (ticks in flight included)
     offered_growth_tokens_per_s: float = 0.0  # how fast those sessions append tokens (their tick periods)
     served_growth_tokens_per_s: float = 0.0  # how fast the engine really got through their ticks
     extra: tuple[tuple[str, float], ...] = ()

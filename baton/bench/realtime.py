@@ -117,10 +117,11 @@ class Workload:
 # reply tokens took p50 2.2 s per tick on 2 shared cores with the machine otherwise quiet; quick runs
 # at P = 4 s and 6 s collapsed both modes whenever other jobs held the load average at 15-20 (this
 # process then gets ~0.35 cores), so the quick workload leaves ~2.5x that margin. A 6.9k-token pool
-# (0.15 GiB in bf16, where these runs were made): 20 unbounded sessions grow ~5 tokens/s each (a ~36-token LoCoMo turn + 4 reply tokens per
-# tick; measured N·r ≈ 100 tokens/s) and fill it ~90 s after the ramp began, leaving ~55 s of each
-# session past the wall; with 0.2-0.25 GiB (9-11.5k tokens) the wall came at 123-150 s, too close to
-# the sessions' end (~145 s) to tell a collapse from a slow patch. Pools are set in tokens, so a
+# (0.15 GiB in bf16, where these runs were made): 20 unbounded sessions grow ~5 tokens/s each (a
+# ~36-token LoCoMo turn + 4 reply tokens per tick; measured N·r ≈ 100 tokens/s) and fill it ~90 s
+# after the ramp began, leaving ~55 s of each session past the wall; with 0.2-0.25 GiB (9-11.5k
+# tokens) the wall came at 123-150 s, too close to the sessions' end (~145 s) to tell a collapse
+# from a slow patch. Pools are set in tokens, so a
 # float32 host (no native bf16) gets the same pool at twice the bytes; the full workload's 9,216
 # tokens are what its first run had (0.4 GiB in float32, 2026-12-06).
 # AIMD phase: at P = 8 s the engine held 28 live sessions at p99 0.7 s (2026-12-02), and the cap
@@ -156,8 +157,7 @@ def _pool_gib(model_path: str, tokens: int) -> float:
     with open(os.path.join(model_path, "config.json")) as f:
         geo = geometry_of(json.load(f))
     dtype_bytes = 4 if engine_dtype("auto", on_gpu=False, cpu_bf16=native_cpu_bf16()) == "float32" else 2
-    per_token = 2 * geo.layers * geo.kv_heads * geo.head_dim * dtype_bytes
-    return (tokens + 64) * per_token / GIB
+    return (tokens + 64) * geo.bytes_per_token_in(dtype_bytes) / GIB
 
 
 def _runner(model_path: str, wl: Workload) -> Any:

@@ -24,7 +24,11 @@ class KVGeometry:
     @property
     def bytes_per_token(self) -> int:
         """All layers, all KV heads: what a handoff moves per token."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * KV_DTYPE_BYTES
+        return self.bytes_per_token_in(KV_DTYPE_BYTES)
+
+    def bytes_per_token_in(self, dtype_bytes: int) -> int:
+        """The same for a KV cache of `dtype_bytes` per element (4: float32)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
     def bytes_per_token_per_gpu(self, tp: int) -> int:
         return 2 * self.layers * -(-self.kv_heads // tp) * self.head_dim * KV_DTYPE_BYTES
