@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,11 @@ def register(subparsers: Any) -> None:
                    help="memory and window-quality only: the model's dtype (default auto: bfloat16 where the CPU computes it natively, else float32)")
     p.add_argument("--fidelity-only", action="store_true",
                    help="memory only: only the fidelity phase (top-1 agreement and KL against prompt injection), no timings")
+    p.add_argument("--rates", type=_rates, default=None,
+                   help="conserve only: the load levels, conversations/s, comma-separated and increasing (default: the mode's; "
+                        "size them to the host: a slower CPU prefills a first turn in seconds)")
+    p.add_argument("--ttft-slo", type=_positive, default=None,
+                   help="conserve only: the p95 TTFT (s) colocated must meet at the headline level (default 3)")
     p.add_argument("--out", type=Path, default=None, help="output dir (default ./runs/bench-<name>-<timestamp>, relative to where you run it)")
     p.set_defaults(func=run_bench)
 
@@ -59,6 +65,11 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.name != "memory":
             raise SystemExit("--fidelity-only is only for `baton bench memory`")
         extra["fidelity_only"] = True
+    conserve_only = {kw: v for arg, kw in (("rates", "rates"), ("ttft_slo", "ttft_slo_s")) if (v := getattr(args, arg, None)) is not None}
+    if conserve_only:
+        if args.name != "conserve":
+            raise SystemExit("--rates and --ttft-slo are only for `baton bench conserve`")
+        extra.update(conserve_only)
     scale_only = {k: getattr(args, k, None) for k in ("calibrate", "cpu_steps", "served_steps", "replicas_json")}
     if any(v is not None for v in scale_only.values()):
         if args.name != "scale":
@@ -69,3 +80,21 @@ def run_bench(args: argparse.Namespace) -> int:
         extra.update({k: v for k, v in scale_only.items() if v is not None})
     importlib.import_module(BENCHMARKS[args.name]).run(quick=args.quick, out_dir=out, **extra)
     return 0
+
+
+def _positive(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return x
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    """`0.05,0.15`: load levels in conversations/s, each > 0, strictly increasing (light to saturating)."""
+    rates = tuple(_positive(part.strip()) for part in text.split(","))
+    if any(b <= a for a, b in itertools.pairwise(rates)):
+        raise argparse.ArgumentTypeError(f"rates must increase, got {text!r}")
+    return rates

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -150,8 +150,13 @@ def run_rep(rep: int, policy: str, levels: list[list[Any]], w: Workload, out_dir
     return cells, {"rep": rep, "policy": policy, "start_s": app.start_seconds, "levels": rows}
 
 
-def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+def run(quick: bool, out_dir: Path, rates: tuple[float, ...] | None = None, ttft_slo_s: float | None = None) -> dict[str, Any]:
+    """`rates`: load levels instead of the mode's (conversations/s, increasing); `ttft_slo_s`: the
+    p95 TTFT colocated must meet at the headline level (default TTFT_SLO_P95_S)."""
     w = QUICK if quick else FULL
+    if rates is not None:
+        w = replace(w, rates=tuple(rates))
+    slo = TTFT_SLO_P95_S if ttft_slo_s is None else ttft_slo_s
     levels = split_levels(build_trace(w), len(w.rates), w.per_level)
     order = interleaved(POLICIES, w.reps)
     requests = sum(len(c.turns) for convs in levels for c in convs)
@@ -166,10 +171,10 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         cells += got
         reps.append(row)
     summary = over_reps(cells)
-    head = headline(summary, w.rates, TTFT_SLO_P95_S)
+    head = headline(summary, w.rates, slo)
     result = {
         "quick": quick, "workload": asdict(w), "layout": {p: layout(p) for p in POLICIES},
-        "slo": {"policy": "colocated", "ttft_p95_s_at_most": TTFT_SLO_P95_S, "met": head.slo_met, "rate": head.rate},
+        "slo": {"policy": "colocated", "ttft_p95_s_at_most": slo, "met": head.slo_met, "rate": head.rate},
         "order": [f"r{rep}:{p}" for rep, p in order], "wall_s": time.monotonic() - t0,
         "summary": {p: {str(rate): {k: v.as_json() if isinstance(v, Spread) else v for k, v in row.items()} for rate, row in by.items()}
                     for p, by in summary.items()},
@@ -178,10 +183,10 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     (out_dir / "conserve.json").write_text(json.dumps(_clean(result), indent=1))
     from baton.bench.conserve_plot import plot
 
-    plot(summary, cells, w.rates, TTFT_SLO_P95_S, out_dir / "conserve.png")
+    plot(summary, cells, w.rates, slo, out_dir / "conserve.png")
     print(f"[conserve] wrote {out_dir / 'conserve.json'} and {out_dir / 'conserve.png'} in {result['wall_s'] / 60:.1f} min")
     if not head.slo_met:
-        print(f"[conserve] colocated met the TTFT SLO (p95 <= {TTFT_SLO_P95_S:g} s) at no load level: the headline is at the lowest")
+        print(f"[conserve] colocated met the TTFT SLO (p95 <= {slo:g} s) at no load level: the headline is at the lowest")
     print(head.result_line())
     return result
 

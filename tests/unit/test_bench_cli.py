@@ -85,3 +85,22 @@ def test_fidelity_only_reaches_only_the_memory_bench(recorded: list[Path], tmp_p
     with pytest.raises(SystemExit, match="only for `baton bench memory`"):
         args.func(args)
     assert not recorded
+
+
+def test_rates_and_ttft_slo_reach_only_the_conserve_bench(recorded: list[Path], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_bench(monkeypatch, "conserve")
+    monkeypatch.chdir(tmp_path)
+    for argv, expected in ((["--rates", "0.05,0.15"], {"rates": (0.05, 0.15)}),
+                           (["--rates", "0.1", "--ttft-slo", "9"], {"rates": (0.1,), "ttft_slo_s": 9.0}),
+                           ([], {})):
+        args = build_parser().parse_args(["bench", "conserve", "--quick", *argv])
+        assert args.func(args) == 0 and calls[-1] == expected
+    args = build_parser().parse_args(["bench", "fake", "--rates", "0.1"])
+    with pytest.raises(SystemExit, match="only for `baton bench conserve`"):
+        args.func(args)
+    assert not recorded
+    for bad in (["--rates", "0.2,0.1"], ["--rates", "0.1,0.1"], ["--rates", "0,0.1"], ["--rates", "fast"], ["--rates", "inf"],
+                ["--ttft-slo", "-1"], ["--ttft-slo", "nan"]):
+        with pytest.raises(SystemExit):  # argparse refuses it with a message
+            build_parser().parse_args(["bench", "conserve", *bad])
