@@ -101,14 +101,14 @@ class FrameSocket:
         self.outbox.put_nowait(Close(code, reason or ""))
 
 
-async def first_frame_read(requests: AsyncIterator[Any], wait_s: float | None = None) -> None:
-    """Read (and drop) the client's first frame, waiting at most `wait_s`, before a call is refused.
+async def first_frame_read(requests: AsyncIterator[Any]) -> None:
+    """Read (and drop) the client's first frame, waiting at most FIRST_FRAME_WAIT_S, before a call is refused.
     A client opens the stream and writes its session.start at once; a call that ends while that
     write is in flight fails the write, and grpc's client then reports INTERNAL instead of the
     refusal's status. Reading it first makes the refusal what the client sees; a client that
-    writes nothing is refused after `wait_s` (default FIRST_FRAME_WAIT_S)."""
+    writes nothing is refused after the wait."""
     with contextlib.suppress(StopAsyncIteration, TimeoutError, grpc.RpcError):
-        await asyncio.wait_for(requests.__anext__(), FIRST_FRAME_WAIT_S if wait_s is None else wait_s)
+        await asyncio.wait_for(requests.__anext__(), FIRST_FRAME_WAIT_S)
 
 
 def frame(data: dict[str, Any]) -> pb.RealtimeFrame:

@@ -682,10 +682,9 @@ def _print_summary(modes: dict[str, Any], aimd: dict[str, Any], wl: Workload) ->
               f"e={_num(p['horizon_error'])}, e_vs_onset={_num(p['onset_error'])}")
     print(f"  median: e={_num(c['error'])}, e_vs_onset={_num(c['error_vs_onset'])}")
     for key, what in (("completed_ticks", "not counting ticks in flight"), ("whole_history", "counting whole histories instead")):
-        h = c.get(key)
-        if h is not None:
-            print(f"  {what}: e={_num(h['error'])} ({' / '.join(_num(p['horizon_error']) for p in h['points'])}), "
-                  f"e_vs_onset={_num(h['error_vs_onset'])}")
+        h = c[key]
+        print(f"  {what}: e={_num(h['error'])} ({' / '.join(_num(p['horizon_error']) for p in h['points'])}), "
+              f"e_vs_onset={_num(h['error_vs_onset'])}")
     if aimd:
         print(f"[realtime] AIMD: P = {aimd['period_s']:.0f}s, target {wl.target_p99_ms:.0f} ms (controller at "
               f"{wl.aimd_setpoint:.2f} of it), offered {wl.aimd_low} -> "

@@ -82,8 +82,8 @@ class RealtimeSessions:
 
     @staticmethod
     def _held(live: _Live, block: int, in_flight: bool) -> int:
-        if in_flight and live.in_flight:
-            return max(in_flight_tokens(live.in_flight, block), retained_tokens(live.state, block))
+        if in_flight and live.in_flight:  # its prompt holds the history, so never below what it retains
+            return in_flight_tokens(live.in_flight, block)
         return retained_tokens(live.state, block)
 
     async def tick(self, msg: RealtimeTick) -> TickResult:
