@@ -9,13 +9,16 @@ its time is scaled down (control_config.TIME_SCALE: a turn's ~11 ms of predicted
 becomes ~0.1 ms), so what is measured is the control plane. Sizes (quick: 8, 32; full: 8, 32,
 64, 128), smallest first.
 
-Variants (control_config.VARIANTS): each size runs twice, a fresh cluster each time, once per
-setting of the ingress pin cache: `no_pin_cache` (routing.pin_cache_sync_s = 0: every turn asks
-the conversation directory) and `pin_cache` (0.5 s, the default config: each ingress serves a
-pinned conversation's later turns from its own cache and syncs with the directory every 0.5 s).
-Their order alternates from one size to the next (8: off then on; 32: on then off; …;
-control_config.variant_order) so neither always runs first. Every point and size record carries
-its `variant`.
+Variants (control_config.VARIANTS): each size runs three times, a fresh cluster each time:
+`no_pin_cache` (routing.pin_cache_sync_s = 0: every turn asks the conversation directory),
+`pin_cache` (0.5 s, the default config: each ingress serves a pinned conversation's later turns
+from its own cache and syncs with the directory every 0.5 s), both under Ray Serve's defaults, and
+`throughput_optimized` (the pin cache at 0.5 s, the cluster started with
+RAY_SERVE_THROUGHPUT_OPTIMIZED=1: Serve's handle calls over gRPC, user code and routing on the
+replica's own event loop, buffered access logs, and direct ingress, the load sent to the ingress
+replica's own HTTP port instead of the proxy's). Their order is reversed from one size to the
+next (control_config.variant_order) so none always runs first. Every point and size record
+carries its `variant`; a size record also its `serve_env` and `load_port`.
 
 Memory: at the first run (the first size's first variant) the decode replicas' RSS (from /proc)
 and the fall of MemAvailable give a per-replica cost and the rest of the cluster's
@@ -54,11 +57,15 @@ Writes control.json and control.png (decisions/s and route p99 vs concurrency, a
 variant), prints a table (a line of CPU ms per turn by role under each point) and ends with
 `RESULT decisions_per_s_max=… route_p99_ms_at_max=… replicas_at_max=… max_replicas_on_this_machine=…
 per_replica_rss_mib=… saturated_at_concurrency=… decisions_per_s_ratio_pin_cache=… route_p50_ms_at_max=…
-route_p50_ms_no_pin_cache=… cpu_ms_per_turn_at_max=…`, all from the best `pin_cache` point
+route_p50_ms_no_pin_cache=… cpu_ms_per_turn_at_max=… decisions_per_s_max_throughput_optimized=…
+route_p99_ms_throughput_optimized=… cpu_ms_per_turn_throughput_optimized=…
+decisions_per_s_ratio_throughput_optimized=…`, the first ten from the best `pin_cache` point
 (saturated_at_concurrency: where its size saturates, `none` when it still grew at the sweep's end;
 the ratio: its decisions/s over `no_pin_cache`'s at the same size and concurrency, `nan` when that
 point is missing; route_p50_ms_no_pin_cache: that point's route p50; cpu_ms_per_turn_at_max: the
-best point's cpu_ms_per_turn_total). See control_stats.result_line.
+best point's cpu_ms_per_turn_total), the last four from the best `throughput_optimized` point (the
+ratio: its decisions/s over `pin_cache`'s at the same size and concurrency). See
+control_stats.result_line.
 """
 from __future__ import annotations
 
@@ -78,6 +85,7 @@ from baton.bench.control_config import (
     MAX_TOKENS,
     PIN_CACHE,
     SLOT,
+    THROUGHPUT_OPTIMIZED,
     TIME_SCALE,
     VARIANTS,
     Sweep,
@@ -211,7 +219,7 @@ def _run_size(n: int, variant: Variant, sw: Sweep, out_dir: Path,
     args = app_args(n, Path(tempfile.mkdtemp(prefix="baton-control-")), max_concurrency=max(sw.concurrencies),
                     pin_cache_sync_s=variant.pin_cache_sync_s)
     app = LocalServeApp(args, resources={SLOT: n}, num_cpus=2, http_port=HTTP_PORT, ray_port=RAY_PORT,
-                        log_dir=out_dir / f"serve-{n}-{variant.name}", start_timeout_s=start_timeout_s(n))
+                        log_dir=out_dir / f"serve-{n}-{variant.name}", start_timeout_s=start_timeout_s(n), env=variant.env(HTTP_PORT))
     points: list[PointStats] = []
     extras: list[dict[str, Any]] = []
     with app as running:
@@ -221,14 +229,15 @@ def _run_size(n: int, variant: Variant, sw: Sweep, out_dir: Path,
               f"{idle_cpu['decode_total']:.2f} cores together; the whole cluster {idle_cpu['all_ray']:.2f} cores")
         print(f"[control] {n} replicas live, {variant.name} (pin_cache_sync_s {variant.pin_cache_sync_s}): "
               f"{running.start_seconds:.0f}s to /health, +{live_s:.0f}s to all live")
-        warm = asyncio.run(warm_replicas(running.url, served_model(args), n))
+        load_url = f"http://127.0.0.1:{variant.load_port(HTTP_PORT)}"  # the proxy, or the ingress replica's own port
+        warm = asyncio.run(warm_replicas(load_url, served_model(args), n))
         print(f"[control] warm-up: {warm['conversations']} first turns in {warm['seconds']:.0f}s ({warm['failed']} failed), "
               f"decisions spread over {warm['replicas_used']} of {n} replicas")
         print(HEADER)
         for c in sw.concurrencies:
             spec = LoadSpec(model=served_model(args), concurrency=c, duration_s=sw.duration_s, warmup_s=sw.warmup_s, max_tokens=MAX_TOKENS)
             window = _WindowCpu()
-            load = asyncio.run(run_point(running.url, spec, tag=f"n{n}-{variant.name}-c{c}", on_window=window))
+            load = asyncio.run(run_point(load_url, spec, tag=f"n{n}-{variant.name}-c{c}", on_window=window))
             point, cpu = _measured(n, c, variant, load, window)
             cpu_share = load.client_cpu_s / (sw.warmup_s + load.elapsed_s)
             print(_row(point, cpu_share), flush=True)
@@ -251,7 +260,8 @@ def _run_size(n: int, variant: Variant, sw: Sweep, out_dir: Path,
     knee = saturation_concurrency([p.concurrency for p in points], [p.decisions_per_s for p in points])
     print(f"[control] {n} replicas, {variant.name}: saturated at concurrency {knee if knee is not None else 'none (still growing)'}")
     record = {
-        "replicas": n, "variant": variant.name, "pin_cache_sync_s": variant.pin_cache_sync_s, "status": "ran",
+        "replicas": n, "variant": variant.name, "pin_cache_sync_s": variant.pin_cache_sync_s, "serve_env": variant.env(HTTP_PORT),
+        "load_port": variant.load_port(HTTP_PORT), "status": "ran",
         "start_s": running.start_seconds, "all_live_s": live_s,
         "decode_rss_bytes": rss, "ingress_rss_bytes": others["ingress"], "directory_rss_bytes": others["directory"],
         "memory_model": asdict(model), "saturated_at_concurrency": knee, "points_extra": extras, "idle_cpu": idle_cpu, "warm_up": warm,
@@ -317,6 +327,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     max_run = max(ran) if ran else None
     ceiling = projected_ceiling(model, idle_first) if model is not None and idle_first is not None else None
     goal = goal_verdict(points, max_run) if max_run is not None else None
+    fast = goal_verdict(points, max_run, variant=THROUGHPUT_OPTIMIZED.name) if max_run is not None else None
     best = best_point(points)
     line = result_line(points, max_run, model.per_replica_bytes if model else None)
     report = {
@@ -324,7 +335,8 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "variants": [asdict(v) for v in VARIANTS], "headline_variant": PIN_CACHE.name,
         "sizes": sizes, "points": [asdict(p) for p in points], "best": asdict(best) if best else None,
         "max_replicas": max_run, "projected_max_replicas": ceiling,
-        "per_replica_rss_bytes": model.per_replica_bytes if model else None, "goal": asdict(goal) if goal else None, "result": line,
+        "per_replica_rss_bytes": model.per_replica_bytes if model else None, "goal": asdict(goal) if goal else None,
+        "goal_throughput_optimized": asdict(fast) if fast else None, "result": line,
     }
     (out_dir / "control.json").write_text(json.dumps(_jsonable(report), indent=2))
     if points:
@@ -334,6 +346,9 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     if goal is not None:
         print(f"[control] goal at {goal.replicas} replicas, {PIN_CACHE.name} (>= 2000 decisions/s, route p99 <= 10 ms): "
               f"{'met' if goal.met else 'not met'} — best within the route bound {goal.decisions_per_s:.1f}/s at concurrency {goal.concurrency}")
+    if fast is not None:
+        print(f"[control] the same under {THROUGHPUT_OPTIMIZED.name}: {'met' if fast.met else 'not met'} — best within the route bound "
+              f"{fast.decisions_per_s:.1f}/s at concurrency {fast.concurrency}")
     print(f"[control] wrote {out_dir / 'control.json'}" + (f" and {out_dir / 'control.png'}" if points else ""))
     print(line)
     return report

@@ -1,5 +1,6 @@
 """What the control-plane bench (baton/bench/control.py) runs: its sweep, the variants it compares
-at each fleet size (the ingress pin cache off and on) and the order it runs them in, and the Baton
+at each fleet size (the ingress pin cache off and on, and on under Ray Serve's throughput-optimized
+mode) and the order it runs them in, and the Baton
 config of one (size, variant), built from cluster_configs/local_simulated.yaml's application args."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from baton.bench.serve_modes import THROUGHPUT_OPTIMIZED_ENV, direct_ingress_env, direct_ingress_port
 from baton.paths import REPO_ROOT
 
 CONFIG = REPO_ROOT / "cluster_configs" / "local_simulated.yaml"
@@ -42,21 +44,35 @@ def sweep(quick: bool) -> Sweep:
 class Variant:
     """One configuration compared at every fleet size: routing.pin_cache_sync_s (0: every turn
     asks the conversation directory; > 0: each ingress caches the pins it was given and syncs
-    with the directory this often, router/pin_cache.py)."""
+    with the directory this often, router/pin_cache.py) and the Ray Serve mode the cluster runs
+    under (serve_env: extra environment for `ray start` and `serve run`; direct_ingress: the load
+    goes to the ingress replica's own port instead of the HTTP proxy's)."""
 
     name: str
     pin_cache_sync_s: float
+    serve_env: tuple[tuple[str, str], ...] = ()
+    direct_ingress: bool = False
+
+    def env(self, http_port: int) -> dict[str, str]:
+        """The cluster's extra environment for this variant, the direct-ingress ports included."""
+        return {**dict(self.serve_env), **(direct_ingress_env(http_port) if self.direct_ingress else {})}
+
+    def load_port(self, http_port: int) -> int:
+        """Where the load generator sends its requests: the proxy, or the ingress replica's port."""
+        return direct_ingress_port(http_port) if self.direct_ingress else http_port
 
 
 NO_PIN_CACHE = Variant("no_pin_cache", 0.0)
 PIN_CACHE = Variant("pin_cache", 0.5)  # the config's default (routing.pin_cache_sync_s)
-VARIANTS = (NO_PIN_CACHE, PIN_CACHE)
+# Ray Serve's throughput-optimized mode, direct ingress included (baton/bench/serve_modes.py)
+THROUGHPUT_OPTIMIZED = Variant("throughput_optimized", 0.5, tuple(THROUGHPUT_OPTIMIZED_ENV.items()), direct_ingress=True)
+VARIANTS = (NO_PIN_CACHE, PIN_CACHE, THROUGHPUT_OPTIMIZED)
 
 
 def variant_order(size_index: int, variants: tuple[Variant, ...] = VARIANTS) -> tuple[Variant, ...]:
     """The order the variants run in at the size_index-th fleet size (0-based): as given at even
-    indexes, reversed at odd ones (8: off then on; 32: on then off; …), so neither always runs
-    first on a machine that warms up or fills up over the run."""
+    indexes, reversed at odd ones (8: off, on, throughput-optimized; 32: the other way round; …),
+    so no variant always runs first or last on a machine that warms up or fills up over the run."""
     if size_index < 0:
         raise ValueError("size_index >= 0")
     return variants if size_index % 2 == 0 else variants[::-1]

@@ -1,7 +1,8 @@
 """Pure figures of the control-plane bench (baton/bench/control.py): one (replicas, concurrency,
 variant) point's summary from its turns, the concurrency where routing decisions/s stop growing,
 which fleet sizes fit in this machine's memory, and the RESULT line (the best point, the goal and
-the saturation read the `pin_cache` variant, the default config; `no_pin_cache` is compared to it).
+the saturation read the `pin_cache` variant, the default config; `no_pin_cache` is compared to it,
+and the best `throughput_optimized` point is reported beside it).
 
 Failures are never dropped (the convention of baton/bench/conserve_stats.py): a failed turn
 (non-200, an error event, no `[DONE]`, an exception, a timeout) is counted, and it is a +inf
@@ -14,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from baton.bench.conserve_stats import INF, percentile
-from baton.bench.control_config import NO_PIN_CACHE, PIN_CACHE
+from baton.bench.control_config import NO_PIN_CACHE, PIN_CACHE, THROUGHPUT_OPTIMIZED
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -219,13 +220,18 @@ def _num(x: float | None, digits: int) -> str:
 def result_line(points: Sequence[PointStats], max_replicas_run: int | None, per_replica_rss_bytes: float | None) -> str:
     """`RESULT decisions_per_s_max=… route_p99_ms_at_max=… replicas_at_max=… max_replicas_on_this_machine=…
     per_replica_rss_mib=… saturated_at_concurrency=… decisions_per_s_ratio_pin_cache=… route_p50_ms_at_max=…
-    route_p50_ms_no_pin_cache=… cpu_ms_per_turn_at_max=…`.
+    route_p50_ms_no_pin_cache=… cpu_ms_per_turn_at_max=… decisions_per_s_max_throughput_optimized=…
+    route_p99_ms_throughput_optimized=… cpu_ms_per_turn_throughput_optimized=…
+    decisions_per_s_ratio_throughput_optimized=…`.
 
     The best point of the `pin_cache` variant (the default config), the concurrency where its
     fleet size saturates (`none`: still growing at the sweep's end; `nan`: nothing ran), its
     decisions/s over the `no_pin_cache` point's at the same size and concurrency (x / 0: inf;
     `nan`: that point did not run, or 0 / 0), both points' route p50, and the best point's CPU ms
-    per ok turn over every role (control_cpu.py; `nan`: not measured)."""
+    per ok turn over every role (control_cpu.py; `nan`: not measured). Then the best point of
+    `throughput_optimized` (Ray Serve's throughput-optimized mode): its decisions/s, route p99 and
+    CPU ms per turn, and its decisions/s over the `pin_cache` point's at the same size and
+    concurrency (`nan` where either did not run)."""
     best = best_point(points)
     off = counterpart(points, best, NO_PIN_CACHE.name) if best is not None else None
     if best is None:
@@ -236,6 +242,9 @@ def result_line(points: Sequence[PointStats], max_replicas_run: int | None, per_
         sat = "none" if knee is None else str(knee)
     rss = "nan" if per_replica_rss_bytes is None else f"{per_replica_rss_bytes / MIB:.1f}"
     speedup = ratio(best.decisions_per_s, off.decisions_per_s) if best is not None and off is not None else None
+    fast = best_point(points, THROUGHPUT_OPTIMIZED.name)
+    base = counterpart(points, fast, PIN_CACHE.name) if fast is not None else None
+    fast_gain = ratio(fast.decisions_per_s, base.decisions_per_s) if fast is not None and base is not None else None
     return (f"RESULT decisions_per_s_max={'nan' if best is None else f'{best.decisions_per_s:.1f}'} "
             f"route_p99_ms_at_max={_ms(best.route_p99_s if best else None)} "
             f"replicas_at_max={'nan' if best is None else best.replicas} "
@@ -244,7 +253,11 @@ def result_line(points: Sequence[PointStats], max_replicas_run: int | None, per_
             f"decisions_per_s_ratio_pin_cache={_num(speedup, 3)} "
             f"route_p50_ms_at_max={_ms(best.route_p50_s if best else None)} "
             f"route_p50_ms_no_pin_cache={_ms(off.route_p50_s if off else None)} "
-            f"cpu_ms_per_turn_at_max={_num(best.cpu_ms_per_turn_total if best else None, 3)}")
+            f"cpu_ms_per_turn_at_max={_num(best.cpu_ms_per_turn_total if best else None, 3)} "
+            f"decisions_per_s_max_throughput_optimized={_num(fast.decisions_per_s if fast else None, 1)} "
+            f"route_p99_ms_throughput_optimized={_ms(fast.route_p99_s if fast else None)} "
+            f"cpu_ms_per_turn_throughput_optimized={_num(fast.cpu_ms_per_turn_total if fast else None, 3)} "
+            f"decisions_per_s_ratio_throughput_optimized={_num(fast_gain, 3)}")
 
 
 MAX_FAILURE_SHARE = 0.01  # a size "holds" only if its turns failed at most this often

@@ -13,6 +13,10 @@ baton_direct: the same with Ray Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_
         itself on a port of its own (the proxy's + 1 here), so a request skips the proxy's hop to
         the replica, the replica's call back to the proxy for the request body, and the stream's
         way back through the proxy. The `_direct_ingress` ratios of the RESULT line.
+baton_throughput_optimized: the same under Ray Serve's throughput-optimized mode
+        (RAY_SERVE_THROUGHPUT_OPTIMIZED=1 for the whole cluster: gRPC handle calls, user code and
+        routing on each replica's own event loop, buffered access logs, direct ingress;
+        baton/bench/serve_modes.py). The `_throughput_optimized` ratios of the RESULT line.
 prepare: in this process, the ingress's prompt preparation per turn of the bundled agentic
         conversations replayed three times over (baton/bench/prompt_prefix.py): whole vs
         incremental tokenization (deployments/token_prefix.py), the same ids required.
@@ -36,20 +40,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from baton.bench.serve_modes import direct_ingress_env, direct_ingress_port, throughput_optimized_env
 from baton.bench.stats import PhaseSummary, RequestTiming, quantile, summarize_phase
 from baton.paths import REPO_ROOT, SAMPLE_TRACES
 
 ROOT = REPO_ROOT
 TRACE = SAMPLE_TRACES / "agentic_small.jsonl"
 C1_PASSES = 3
-
-
-def direct_ingress_env(http_port: int) -> dict[str, str]:
-    """Ray Serve's direct ingress, the ingress replica on http_port + 1 (the proxy keeps http_port),
-    drained in 1 s instead of Ray's 30 s floor (a bench, not a rolling update)."""
-    port = str(http_port + 1)
-    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": port,
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http_port + 20), "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
 
 
 def build_prompts(model_path: str, n: int) -> list[list[int]]:
@@ -123,7 +120,9 @@ def _bare_loop(engine: Any, params: Any, prompts: list[list[int]], max_tokens: i
 
 
 def _baton_phase(model_path: str, prompts: list[list[int]], max_tokens: int, concurrency: int, warmup: list[list[int]],
-                 direct: bool = False) -> dict[str, Any]:
+                 direct: bool = False, throughput_optimized: bool = False) -> dict[str, Any]:
+    """Baton through Serve's HTTP proxy; `direct`: under direct ingress; `throughput_optimized`:
+    under Serve's throughput-optimized mode (direct ingress included). baton/bench/serve_modes.py."""
     import httpx
 
     from baton.bench.cluster import LocalServeApp, replica_rss_bytes
@@ -136,8 +135,10 @@ def _baton_phase(model_path: str, prompts: list[list[int]], max_tokens: int, con
         "decode": {"num_replicas": 1, "resources": {"num_cpus": 1, "custom": {"decode_slot": 1}}, "engine": cfg},
     }
     port = 28000
-    with LocalServeApp(args, resources={"decode_slot": 1}, http_port=port, env=direct_ingress_env(port) if direct else None) as app:
-        base = f"http://127.0.0.1:{port + 1}" if direct else app.url
+    direct = direct or throughput_optimized
+    env = throughput_optimized_env(port) if throughput_optimized else direct_ingress_env(port) if direct else None
+    with LocalServeApp(args, resources={"decode_slot": 1}, http_port=port, env=env) as app:
+        base = f"http://127.0.0.1:{direct_ingress_port(port)}" if direct else app.url
         if direct and httpx.get(f"{base}/health", timeout=30).json().get("status") != "ok":
             raise RuntimeError(f"the ingress replica does not serve on {base} under direct ingress")
         url = f"{base}/v1/completions"
@@ -145,7 +146,7 @@ def _baton_phase(model_path: str, prompts: list[list[int]], max_tokens: int, con
         asyncio.run(_http_closed_loop(url, warmup, max_tokens, 1))
         timings, wall, hops = asyncio.run(_http_closed_loop(url, prompts, max_tokens, concurrency))
         single_t, single_wall, single_hops = asyncio.run(_http_closed_loop(url, prompts * C1_PASSES, max_tokens, 1))
-    name = "baton_direct" if direct else "baton"
+    name = "baton_throughput_optimized" if throughput_optimized else "baton_direct" if direct else "baton"
     return {"summary": asdict(summarize_phase(name, timings, wall)), "single": asdict(summarize_phase(f"{name}_c1", single_t, single_wall)),
             "hops": hop_breakdown(hops), "hops_single": hop_breakdown(single_hops), "start_s": app.start_seconds,
             "rss_bytes": rss[0] if rss else 0}
@@ -313,6 +314,9 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     direct = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup, direct=True)
     print(f"[overhead] Baton, direct ingress: {direct['summary']}")
     print(f"[overhead] Baton, direct ingress, hops at concurrency 1 (median s): {direct['hops_single']}")
+    fast = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup, throughput_optimized=True)
+    print(f"[overhead] Baton, throughput-optimized Serve: {fast['summary']}")
+    print(f"[overhead] Baton, throughput-optimized Serve, hops at concurrency 1 (median s): {fast['hops_single']}")
     b, s = bare["summary"], baton["summary"]
     ratios = {
         "ttft_p50_ratio_c1": baton["single"]["ttft_p50_s"] / bare["single"]["ttft_p50_s"],
@@ -327,14 +331,18 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         # Serve's direct ingress (no HTTP proxy in the request's path)
         "ttft_p50_ratio_direct_ingress": direct["summary"]["ttft_p50_s"] / b["ttft_p50_s"],
         "ttft_p50_ratio_c1_direct_ingress": direct["single"]["ttft_p50_s"] / bare["single"]["ttft_p50_s"],
+        # Serve's throughput-optimized mode (gRPC handle calls, one event loop, direct ingress)
+        "ttft_p50_ratio_throughput_optimized": fast["summary"]["ttft_p50_s"] / b["ttft_p50_s"],
+        "ttft_p50_ratio_c1_throughput_optimized": fast["single"]["ttft_p50_s"] / bare["single"]["ttft_p50_s"],
+        "throughput_ratio_throughput_optimized": fast["summary"]["output_tok_per_s"] / b["output_tok_per_s"],
         "chat_prepare_ms_ratio_incremental": prepare["ratio_p50"],
     }
     report = {"quick": quick, "requests": n, "max_tokens": max_tokens, "concurrency": concurrency, "bare": bare, "vllm_serve": served,
-              "baton": baton, "baton_direct": direct, "ratios": ratios, "c1_passes": C1_PASSES,
+              "baton": baton, "baton_direct": direct, "baton_throughput_optimized": fast, "ratios": ratios, "c1_passes": C1_PASSES,
               "prepare": prepare}
     (out_dir / "overhead.json").write_text(json.dumps(report, indent=2))
     _plot([("bare vLLM", PhaseSummary(**b)), ("vllm serve", PhaseSummary(**served["summary"])), ("Baton", PhaseSummary(**s)),
-           ("Baton direct", PhaseSummary(**direct["summary"]))],
+           ("Baton direct", PhaseSummary(**direct["summary"])), ("Baton tput-opt", PhaseSummary(**fast["summary"]))],
           out_dir / "overhead.png")
     print(json.dumps(report, indent=2))
     print(f"[overhead] wrote {out_dir / 'overhead.json'} and {out_dir / 'overhead.png'}")
@@ -345,6 +353,9 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         f"throughput_ratio_vs_vllm_serve={ratios['throughput_ratio_vs_vllm_serve']:.3f} "
         f"ttft_p50_ratio_direct_ingress={ratios['ttft_p50_ratio_direct_ingress']:.3f} "
         f"ttft_p50_ratio_c1_direct_ingress={ratios['ttft_p50_ratio_c1_direct_ingress']:.3f} "
+        f"ttft_p50_ratio_throughput_optimized={ratios['ttft_p50_ratio_throughput_optimized']:.3f} "
+        f"ttft_p50_ratio_c1_throughput_optimized={ratios['ttft_p50_ratio_c1_throughput_optimized']:.3f} "
+        f"throughput_ratio_throughput_optimized={ratios['throughput_ratio_throughput_optimized']:.3f} "
         f"chat_prepare_ms_p50={prepare['whole_ms_p50']:.2f}/{prepare['incremental_ms_p50']:.2f} "
         f"chat_prepare_ms_ratio_incremental={ratios['chat_prepare_ms_ratio_incremental']:.3f} baton_start_s={baton['start_s']:.1f} "
         f"replica_rss_gib={baton['rss_bytes'] / (1 << 30):.2f}"

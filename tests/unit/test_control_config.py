@@ -1,6 +1,6 @@
 """baton/bench/control_config.py and its registration: the app args the bench hands `serve run`
 validate (deployments.config.load_app_config, the builder's own check), at every fleet size of
-both sweeps in both variants, the variants alternate their order from size to size, and
+both sweeps in every variant, the variants alternate their order from size to size, and
 `baton bench control` reaches baton.bench.control.run."""
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from baton.bench.control_config import (
     PIN_CACHE,
     REPLICA_CPUS,
     SLOT,
+    THROUGHPUT_OPTIMIZED,
     TIME_SCALE,
     VARIANTS,
     Variant,
@@ -56,18 +57,25 @@ def test_sweeps() -> None:
     assert start_timeout_s(128) > start_timeout_s(8)
 
 
-def test_the_variants_are_the_pin_cache_off_and_at_its_default() -> None:
-    assert [v.name for v in VARIANTS] == ["no_pin_cache", "pin_cache"] and len({v.name for v in VARIANTS}) == len(VARIANTS)
+def test_the_variants_are_the_pin_cache_off_at_its_default_and_under_serves_throughput_mode() -> None:
+    assert [v.name for v in VARIANTS] == ["no_pin_cache", "pin_cache", "throughput_optimized"]
+    assert len({v.name for v in VARIANTS}) == len(VARIANTS)
     assert NO_PIN_CACHE.pin_cache_sync_s == 0.0
     assert PIN_CACHE.pin_cache_sync_s == RoutingConfig.model_fields["pin_cache_sync_s"].default == 0.5  # the default config
+    assert THROUGHPUT_OPTIMIZED.pin_cache_sync_s == PIN_CACHE.pin_cache_sync_s  # only the Serve mode differs
+    for v in (NO_PIN_CACHE, PIN_CACHE):  # Serve's defaults, through the proxy
+        assert v.env(28800) == {} and v.load_port(28800) == 28800
+    env = THROUGHPUT_OPTIMIZED.env(28800)
+    assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1" and env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "28801" == str(THROUGHPUT_OPTIMIZED.load_port(28800))
 
 
 def test_the_variant_order_alternates_from_size_to_size() -> None:
-    assert variant_order(0) == (NO_PIN_CACHE, PIN_CACHE)  # the first size: off then on
-    assert variant_order(1) == (PIN_CACHE, NO_PIN_CACHE)  # the second: on then off
+    assert variant_order(0) == (NO_PIN_CACHE, PIN_CACHE, THROUGHPUT_OPTIMIZED)  # the first size: as declared
+    assert variant_order(1) == (THROUGHPUT_OPTIMIZED, PIN_CACHE, NO_PIN_CACHE)  # the second: reversed
     assert variant_order(2) == variant_order(0) and variant_order(3) == variant_order(1)
     firsts = [variant_order(i)[0].name for i in range(len(sweep(False).replicas))]
-    assert firsts.count("pin_cache") == firsts.count("no_pin_cache") == 2
+    assert firsts.count("throughput_optimized") == firsts.count("no_pin_cache") == 2
     assert all(set(variant_order(i)) == set(VARIANTS) and len(variant_order(i)) == len(VARIANTS) for i in range(4))  # every variant, once, at every size
     with pytest.raises(ValueError):
         variant_order(-1)

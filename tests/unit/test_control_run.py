@@ -1,7 +1,8 @@
 """baton/bench/control.py's orchestration with the cluster faked out: each size runs once per variant
 in alternating order, sizes that would leave < 3 GiB are skipped from the first run's memory
 model, a run that fails to start ends the sweep, control.json, control.png and the RESULT line
-come from what ran (the headline from pin_cache, compared with no_pin_cache), and a point's CPU
+come from what ran (the headline from pin_cache, compared with no_pin_cache; throughput_optimized
+beside it), and a point's CPU
 per turn is its window's CPU by role over its ok turns."""
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from baton.bench import control
-from baton.bench.control_config import NO_PIN_CACHE, PIN_CACHE, Sweep, Variant
+from baton.bench.control_config import NO_PIN_CACHE, PIN_CACHE, THROUGHPUT_OPTIMIZED, Sweep, Variant
 from baton.bench.control_cpu import ProcReading
 from baton.bench.control_load import PointLoad
 from baton.bench.control_stats import GIB, MIB, MemoryModel, PointStats, TurnSample, summarize_point
@@ -25,7 +26,8 @@ MODEL = MemoryModel(per_replica_bytes=100 * MIB, base_bytes=1 * GIB)
 def fake_size(rates: dict[int, list[float]], fail_at: int | None = None, all_fail_at: int | None = None,
               calls: list[tuple[int, str]] | None = None) -> Any:
     """_run_size without a cluster: `rates` are pin_cache's ok turns/s per concurrency, no_pin_cache
-    gets half of them and a route hop twice as long; every point costs 0.5 ms of CPU per turn."""
+    gets half of them and a route hop twice as long, throughput_optimized 1.5 times them; every
+    point costs 0.5 ms of CPU per turn."""
     def run_size(n: int, variant: Variant, sw: Sweep, out_dir: Path,
                  available: int) -> tuple[dict[str, Any], list[PointStats], MemoryModel]:
         if calls is not None:
@@ -33,9 +35,10 @@ def fake_size(rates: dict[int, list[float]], fail_at: int | None = None, all_fai
         if n == fail_at:
             raise RuntimeError(f"only 3 of {n} decode replicas live")
         off = variant == NO_PIN_CACHE
+        scale = 0.5 if off else 1.5 if variant == THROUGHPUT_OPTIMIZED else 1.0
         turn = TurnSample(ok=n != all_fail_at, started_s=0.0, latency_s=0.01, ttft_s=0.01,
                           hops={"route": 0.001 * n / 8 * (2 if off else 1), "total": 0.005}, error=None if n != all_fail_at else "timeout")
-        points = [replace(summarize_point(n, c, [turn] * int(r / (2 if off else 1)), 1.0, variant=variant.name),
+        points = [replace(summarize_point(n, c, [turn] * int(r * scale), 1.0, variant=variant.name),
                           cpu_ms_per_turn={"decode": 0.5}, cpu_ms_per_turn_total=0.5)
                   for c, r in zip(sw.concurrencies, rates[n], strict=True)]
         return {"replicas": n, "status": "ran", "saturated_at_concurrency": None}, points, MODEL
@@ -54,35 +57,39 @@ def test_sizes_past_the_memory_projection_are_skipped(monkeypatch: pytest.Monkey
     calls: list[tuple[int, str]] = []
     monkeypatch.setattr(control, "_run_size", fake_size(rates, calls=calls))
     report = control.run(quick=False, out_dir=tmp_path)
-    # both variants at every size, their order alternating: 8 off then on, 32 on then off, 64 off then on
-    assert calls == [(8, "no_pin_cache"), (8, "pin_cache"), (32, "pin_cache"), (32, "no_pin_cache"),
-                     (64, "no_pin_cache"), (64, "pin_cache")]
+    # every variant at every size, their order reversed from one size to the next
+    off, on, fast = "no_pin_cache", "pin_cache", "throughput_optimized"
+    assert calls == [(8, off), (8, on), (8, fast), (32, fast), (32, on), (32, off), (64, off), (64, on), (64, fast)]
     assert [(s["replicas"], s["variant"], s["status"]) for s in report["sizes"]] == [
-        *((n, v, "ran") for n, v in calls), (128, "pin_cache", "skipped_memory"), (128, "no_pin_cache", "skipped_memory")]
-    assert report["sizes"][6]["projected_free_bytes"] == pytest.approx(16 * GIB - GIB - 128 * 100 * MIB)  # 2.5 GiB < 3
+        *((n, v, "ran") for n, v in calls), (128, fast, "skipped_memory"), (128, on, "skipped_memory"), (128, off, "skipped_memory")]
+    assert report["sizes"][9]["projected_free_bytes"] == pytest.approx(16 * GIB - GIB - 128 * 100 * MIB)  # 2.5 GiB < 3
     assert report["max_replicas"] == 64 and report["projected_max_replicas"] == 122  # (16 - 3 - 1) GiB / 100 MiB
     saved = json.loads((tmp_path / "control.json").read_text())
-    assert saved["max_replicas"] == 64 and len(saved["points"]) == 18 and (tmp_path / "control.png").exists()
-    assert sorted({p["variant"] for p in saved["points"]}) == ["no_pin_cache", "pin_cache"]
-    assert all(s["variant"] in ("no_pin_cache", "pin_cache") for s in saved["sizes"])
+    assert saved["max_replicas"] == 64 and len(saved["points"]) == 27 and (tmp_path / "control.png").exists()
+    assert sorted({p["variant"] for p in saved["points"]}) == [off, on, fast]
+    assert all(s["variant"] in (off, on, fast) for s in saved["sizes"])
     assert all(p["cpu_ms_per_turn"] == {"decode": 0.5} and p["cpu_ms_per_turn_total"] == 0.5 for p in saved["points"])
     assert saved["best"]["variant"] == "pin_cache"
     assert not saved["goal"]["met"] and saved["goal"]["replicas"] == 64
+    assert saved["goal_throughput_optimized"]["decisions_per_s"] == 675.0  # 1.5 x 450, route p99 8 ms within the bound
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == ("RESULT decisions_per_s_max=450.0 route_p99_ms_at_max=8.00 replicas_at_max=64 max_replicas_on_this_machine=64 "
                     "per_replica_rss_mib=100.0 saturated_at_concurrency=none decisions_per_s_ratio_pin_cache=2.000 "
-                    "route_p50_ms_at_max=8.00 route_p50_ms_no_pin_cache=16.00 cpu_ms_per_turn_at_max=0.500") == saved["result"]
+                    "route_p50_ms_at_max=8.00 route_p50_ms_no_pin_cache=16.00 cpu_ms_per_turn_at_max=0.500 "
+                    "decisions_per_s_max_throughput_optimized=675.0 route_p99_ms_throughput_optimized=8.00 "
+                    "cpu_ms_per_turn_throughput_optimized=0.500 decisions_per_s_ratio_throughput_optimized=1.500") == saved["result"]
 
 
 @pytest.mark.usefixtures("sixteen_gib")
 def test_a_size_that_does_not_start_ends_the_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(control, "_run_size", fake_size({8: [100, 300, 310]}, fail_at=32))
     report = control.run(quick=False, out_dir=tmp_path)
+    off, on, fast = "no_pin_cache", "pin_cache", "throughput_optimized"
     assert [(s["replicas"], s["variant"], s["status"]) for s in report["sizes"]] == [
-        (8, "no_pin_cache", "ran"), (8, "pin_cache", "ran"), (32, "pin_cache", "failed"), (32, "no_pin_cache", "not_tried"),
-        (64, "no_pin_cache", "not_tried"), (64, "pin_cache", "not_tried"), (128, "pin_cache", "not_tried"),
-        (128, "no_pin_cache", "not_tried")]
-    assert "3 of 32" in report["sizes"][2]["error"]
+        (8, off, "ran"), (8, on, "ran"), (8, fast, "ran"), (32, fast, "failed"), (32, on, "not_tried"), (32, off, "not_tried"),
+        (64, off, "not_tried"), (64, on, "not_tried"), (64, fast, "not_tried"),
+        (128, fast, "not_tried"), (128, on, "not_tried"), (128, off, "not_tried")]
+    assert "3 of 32" in report["sizes"][3]["error"]
     assert report["max_replicas"] == 8 and " saturated_at_concurrency=32 " in report["result"]
 
 
@@ -92,7 +99,7 @@ def test_a_size_that_started_but_failed_its_turns_is_not_one_the_machine_holds(m
     monkeypatch.setattr(control, "_run_size", fake_size(rates, all_fail_at=32))
     report = control.run(quick=True, out_dir=tmp_path)
     assert [(s["replicas"], s["status"], s["served"]) for s in report["sizes"]] == [
-        (8, "ran", True), (8, "ran", True), (32, "ran", False), (32, "ran", False)]
+        (8, "ran", True), (8, "ran", True), (8, "ran", True), (32, "ran", False), (32, "ran", False), (32, "ran", False)]
     assert report["max_replicas"] == 8 and "max_replicas_on_this_machine=8 " in report["result"]
 
 
@@ -123,8 +130,8 @@ def test_inf_and_nan_are_written_as_strings() -> None:
 
 
 def test_runs_alternate_the_variant_order() -> None:
-    assert control._runs((8, 32, 64)) == [(8, NO_PIN_CACHE), (8, PIN_CACHE), (32, PIN_CACHE), (32, NO_PIN_CACHE),
-                                          (64, NO_PIN_CACHE), (64, PIN_CACHE)]
+    off, on, fast = NO_PIN_CACHE, PIN_CACHE, THROUGHPUT_OPTIMIZED
+    assert control._runs((8, 32, 64)) == [(8, off), (8, on), (8, fast), (32, fast), (32, on), (32, off), (64, off), (64, on), (64, fast)]
 
 
 def test_a_points_cpu_is_its_windows_per_ok_turn(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -124,7 +124,9 @@ def test_result_line_is_computed_from_the_points() -> None:
     assert result_line(points, 32, 150.25 * MIB) == (
         "RESULT decisions_per_s_max=310.0 route_p99_ms_at_max=2.00 replicas_at_max=8 max_replicas_on_this_machine=32 "
         "per_replica_rss_mib=150.2 saturated_at_concurrency=32 decisions_per_s_ratio_pin_cache=nan route_p50_ms_at_max=2.00 "
-        "route_p50_ms_no_pin_cache=nan cpu_ms_per_turn_at_max=nan")  # no no_pin_cache point, no CPU read: nan
+        "route_p50_ms_no_pin_cache=nan cpu_ms_per_turn_at_max=nan decisions_per_s_max_throughput_optimized=nan "
+        "route_p99_ms_throughput_optimized=nan cpu_ms_per_turn_throughput_optimized=nan "
+        "decisions_per_s_ratio_throughput_optimized=nan")  # no no_pin_cache or throughput_optimized point, no CPU read: nan
     assert result_line(points[3:], 32, MIB).split()[2] == "route_p99_ms_at_max=inf"  # 99/s at 32 replicas with one failure
     assert " saturated_at_concurrency=none " in result_line(points[:2], 8, MIB)
 
@@ -133,7 +135,9 @@ def test_result_line_without_points() -> None:
     assert result_line([], None, None) == (
         "RESULT decisions_per_s_max=nan route_p99_ms_at_max=nan replicas_at_max=nan max_replicas_on_this_machine=nan "
         "per_replica_rss_mib=nan saturated_at_concurrency=nan decisions_per_s_ratio_pin_cache=nan route_p50_ms_at_max=nan "
-        "route_p50_ms_no_pin_cache=nan cpu_ms_per_turn_at_max=nan")
+        "route_p50_ms_no_pin_cache=nan cpu_ms_per_turn_at_max=nan decisions_per_s_max_throughput_optimized=nan "
+        "route_p99_ms_throughput_optimized=nan cpu_ms_per_turn_throughput_optimized=nan "
+        "decisions_per_s_ratio_throughput_optimized=nan")
 
 
 def both(n: int, c: int, on: int, off: int, off_route: float = 0.004) -> list:
@@ -172,7 +176,7 @@ def test_result_line_when_the_comparison_is_missing_or_zero() -> None:
     line = result_line(off_dead, 8, MIB)
     assert "decisions_per_s_ratio_pin_cache=inf " in line and "route_p50_ms_no_pin_cache=inf " in line  # every turn failed
     inf_cpu = [replace(summarize_point(8, 8, [ok()] * 100, 1.0), cpu_ms_per_turn_total=math.inf)]
-    assert result_line(inf_cpu, 8, MIB).endswith("cpu_ms_per_turn_at_max=inf")
+    assert " cpu_ms_per_turn_at_max=inf " in result_line(inf_cpu, 8, MIB)
 
 
 def test_ratio() -> None:
@@ -220,3 +224,18 @@ def test_process_cpu_seconds_counts_this_process_work() -> None:
         x += i * i
     assert process_cpu_seconds([os.getpid()]) > before >= 0
     assert process_cpu_seconds([2**22 + 7]) == 0  # a pid that does not exist counts nothing
+
+
+def test_result_line_reports_the_throughput_optimized_variant_against_pin_cache_at_its_best_point() -> None:
+    fast = [summarize_point(8, 8, [ok(route=0.001)] * 150, 1.0, variant="throughput_optimized"),
+            summarize_point(8, 32, [ok(route=0.003)] * 400, 1.0, variant="throughput_optimized")]
+    fast[1] = replace(fast[1], cpu_ms_per_turn={"ingress": 4.0}, cpu_ms_per_turn_total=4.0)
+    points = both(8, 8, 100, 90) + both(8, 32, 320, 200) + fast
+    fields = dict(kv.split("=") for kv in result_line(points, 8, MIB).split()[1:])
+    assert fields["decisions_per_s_max"] == "320.0"  # the headline stays pin_cache's, faster variants beside it
+    assert fields["decisions_per_s_max_throughput_optimized"] == "400.0" and fields["route_p99_ms_throughput_optimized"] == "3.00"
+    assert fields["cpu_ms_per_turn_throughput_optimized"] == "4.000"
+    assert fields["decisions_per_s_ratio_throughput_optimized"] == "1.250"  # 400 / 320 at (8, 32)
+    assert goal_verdict(points, 8, variant="throughput_optimized").decisions_per_s == 400.0
+    alone = dict(kv.split("=") for kv in result_line(fast, 8, MIB).split()[1:])  # no pin_cache point to compare with
+    assert alone["decisions_per_s_ratio_throughput_optimized"] == "nan" and alone["decisions_per_s_max"] == "nan"
