@@ -16,12 +16,14 @@ from ray.serve.config import RequestRouterConfig
 from baton.engine.args import EngineSpec, build_engine_spec, resolve_model_path
 from baton.engine.config import EngineConfig
 from deployments.config import AppConfig, ConfigError, PoolConfig, load_app_config
+from deployments.directory_client import DirectoryShards
 from deployments.exposure import bind_refusal, serve_grpc_enabled, serve_http_host
 from deployments.ingress import Ingress, IngressSettings
 from deployments.pool import EngineReplicaDeployment
 from kv_transfer.config import PoolRole
 from memory_store.deployment import MemoryStoreDeployment
 from router.directory import ConversationDirectoryDeployment
+from router.directory_shards import deployment_name
 from router.directory_state import DirectorySettings
 from router.scoring import LoadWeights
 from router.serve_router import TargetedLoadRouter
@@ -130,7 +132,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
                                  cpu_cores=pool.resources.cpu_cores, cores_per_replica=pool.resources.cpu_cores_per_replica)
 
     r = cfg.routing
-    directory = ConversationDirectoryDeployment.options(ray_actor_options=cfg.control_plane.actor_options(0)).bind(
+    directory = DirectoryShards([ConversationDirectoryDeployment.options(
+        name=deployment_name(i, r.directory_shards), ray_actor_options=cfg.control_plane.actor_options(0)).bind(
         DirectorySettings(
             policy=r.policy,
             conversation_ttl_s=r.conversation_ttl_s,
@@ -142,9 +145,11 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
             rebuild_grace_s=2.0 * cfg.decode.routing_stats_period_s,
             conditional_pd_threshold_tokens=r.conditional_pd_threshold_tokens,
             prefill_queue_limit_tokens=r.prefill_queue_limit_tokens,
+            shard=i,
+            shards=r.directory_shards,
         ),
-        r.resolved_ownership_db_path(PROJECT_ROOT),
-    )
+        r.resolved_ownership_db_path(PROJECT_ROOT),  # one file for every shard: an owner holds across any change of K
+    ) for i in range(r.directory_shards)])
     store = None
     seg_bytes = 0
     if cfg.memory is not None:

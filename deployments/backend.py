@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
@@ -27,8 +27,9 @@ from baton.engine.types import (
     SamplingSpec,
     StageTimes,
 )
+from deployments.directory_client import DirectoryShards
 from deployments.metrics import ResumeMetrics
-from deployments.pin_sync import PinSyncer
+from deployments.pin_sync import ShardedPins
 from deployments.resume import ReplayDiverged, ReplaySplice, ResumeOutcome, ResumePlan, client_delta, finish_delta, plan_resume
 from deployments.turn_placement import Placement
 from router.directory_state import ForeignConversation, PinsRebuilding
@@ -89,10 +90,13 @@ class PoolBackend:
     conversation's turn is planned from it when it can be (router/pin_cache.py), else by the
     directory, whose answer refills it; so is a turn without a session id when there is no
     prefill pool (from the cache's view of the decoders' loads). A decoder that fails here drops
-    its cached pins; a turn that ran elsewhere than planned drops its conversation's."""
+    its cached pins; a turn that ran elsewhere than planned drops its conversation's.
 
-    def __init__(self, decode: Any, prefill: Any | None = None, directory: Any | None = None, resumes: ResumeMetrics | None = None,
-                 load_hint: Callable[[TurnPlan], None] | None = None, pins: PinSyncer | None = None):
+    directory: its shards (deployments/directory_client.py); a conversation's calls go to the
+    shard its session id hashes to, each shard with its own pin cache here."""
+
+    def __init__(self, decode: Any, prefill: Any | None = None, directory: DirectoryShards | None = None, resumes: ResumeMetrics | None = None,
+                 load_hint: Callable[[TurnPlan], None] | None = None, pins: ShardedPins | None = None):
         self._decode = decode
         self._prefill = prefill
         self._directory = directory
@@ -122,8 +126,9 @@ class PoolBackend:
                                 first = False
                                 if delta.replica and delta.replica != target:
                                     if self._pins is not None:
-                                        self._pins.cache.forget(request.session_id)
-                                    await self._tell_directory("served", request.session_id, delta.replica)
+                                        self._pins.for_session(request.session_id).cache.forget(request.session_id)
+                                    await self._tell_directory("served", lambda d, sid=request.session_id, rid=delta.replica:
+                                                               d.for_session(sid).served.remote(sid, rid))
                             if splice is not None:
                                 spliced = splice.feed(delta)
                                 if spliced is None:
@@ -144,8 +149,8 @@ class PoolBackend:
                 except ReplicaLost:
                     if target is not None:
                         if self._pins is not None:
-                            self._pins.cache.forget_decoder(target)
-                        await self._tell_directory("replica_failed", target)
+                            self._pins.forget_decoder(target)
+                        await self._tell_directory("replica_failed", lambda d, rid=target: d.replica_failed(rid))
                     if not yielded and target is not None and not replaced:
                         replaced = True
                         logger.warning("decoder %s lost before the first token of %s; re-placing the turn", target, request.request_id)
@@ -219,17 +224,20 @@ class PoolBackend:
         if self._directory is None:
             return Placement.by_load()
         n = len(request.prompt_token_ids)
+        syncer = None
         if self._pins is not None:
             self._pins.start()
-            cache = self._pins.cache
+            syncer = self._pins.for_session(request.session_id)  # the cache of the conversation's directory shard
+            cache = syncer.cache
             # a turn outside a conversation needs no owner check; without a prefill pool only its decoder is to choose
             cached = cache.plan(request.session_id, request.user, n) if request.session_id else (
                 cache.plan_sessionless(n) if self._prefill is None else None)
             if cached is not None:
                 return self._placed(cached, request)
         try:
-            via = {"via": self._pins.ingress_id} if self._pins is not None else {}
-            plan = await asyncio.wait_for(self._directory.route.remote(request.session_id, request.user, n, **via), DIRECTORY_TIMEOUT_S)
+            via = {"via": syncer.ingress_id} if syncer is not None else {}
+            plan = await asyncio.wait_for(self._directory.for_session(request.session_id).route.remote(request.session_id, request.user, n, **via),
+                                          DIRECTORY_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the directory's placement is advice; its owner check is not
             cause = getattr(e, "cause", None) or e
             if isinstance(cause, ForeignConversation):
@@ -243,8 +251,8 @@ class PoolBackend:
                 ) from None
             logger.warning("conversation directory could not place %s (%s); placing by load", request.request_id, type(e).__name__)
             return Placement.by_load()
-        if self._pins is not None:
-            self._pins.cache.remember(request.session_id, request.user, plan, n)
+        if syncer is not None:
+            syncer.cache.remember(request.session_id, request.user, plan, n)
         return self._placed(plan, request)
 
     def _placed(self, plan: TurnPlan, request: GenerationRequest) -> Placement:
@@ -258,7 +266,7 @@ class PoolBackend:
             await self._pins.flush()
 
     def pin_cache_snapshot(self) -> dict[str, Any] | None:
-        return self._pins.cache.snapshot() if self._pins is not None else None
+        return self._pins.snapshot() if self._pins is not None else None
 
     async def _remote_prefill(self, request: GenerationRequest, target: str | None = None) -> dict[str, Any] | None:
         """Prefill on the prefill pool (on `target`, the directory's choice, when it is alive);
@@ -290,10 +298,11 @@ class PoolBackend:
                 cancel_quietly(gen)
         return params
 
-    async def _tell_directory(self, method: str, *args: Any) -> None:
+    async def _tell_directory(self, method: str, call: Callable[[DirectoryShards], Awaitable[Any]]) -> None:
+        """`call(directory)`, advisory: a failure or timeout is logged, never raised."""
         if self._directory is None:
             return
         try:
-            await asyncio.wait_for(getattr(self._directory, method).remote(*args), DIRECTORY_TIMEOUT_S)
+            await asyncio.wait_for(call(self._directory), DIRECTORY_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - advisory
             logger.warning("directory %s failed: %s", method, type(e).__name__)

@@ -18,6 +18,7 @@ from memory_store.config import MemoryConfig
 from router.admission import AdmissionConfig
 from router.chat_admission import ChatAdmissionConfig
 from router.cliff import CliffAdmissionConfig
+from router.directory_shards import MAX_SHARDS
 from router.policy import DEFAULT_CONDITIONAL_PD_THRESHOLD_TOKENS, DISAGGREGATED, Policy
 
 
@@ -149,25 +150,25 @@ class RoutingConfig(_Strict):
     conditional_pd_threshold_tokens: int = Field(
         DEFAULT_CONDITIONAL_PD_THRESHOLD_TOKENS, ge=0, description="conditional_pd: prompt tokens the decoder does not hold for "
         "the conversation above which a turn is prefilled on the prefill pool; at or below it, on the decoder")
-    prefill_queue_limit_tokens: int = Field(
-        16384, ge=0, description="disaggregated policies: when every prefill replica has more prompt tokens queued than this "
-        "and the chosen decoder is idle (nothing waiting, at most conditional_pd_threshold_tokens queued), the turn is "
-        "prefilled on the decoder instead (counted as prefill_fallback_local in /baton/stats)")
+    prefill_queue_limit_tokens: int = Field(16384, ge=0, description="disaggregated policies: when every prefill replica has more "
+        "prompt tokens queued than this and the chosen decoder is idle (nothing waiting, at most conditional_pd_threshold_tokens "
+        "queued), the turn is prefilled on the decoder instead (counted as prefill_fallback_local in /baton/stats)")
     conversation_ttl_s: float = Field(1800.0, gt=0, description="idle conversations lose their pin after this")
     pin_weight: float = Field(0.02, ge=0, description="decoder score per pinned conversation (new-conversation placement)")
     queue_weight: float = Field(0.05, ge=0, description="score per request in flight")
     kv_weight: float = Field(1.0, ge=0, description="weight of KV occupancy in load-based placement")
     prefill_token_weight: float = Field(1.0 / 8192, ge=0, description="load score per queued prefill token")
     replica_stale_after_s: float = Field(10.0, gt=0, description="a replica that has not reported this long is not placed on")
-    pin_cache_sync_s: float = Field(
-        0.5, ge=0, le=10.0, description="pinning policies: each ingress keeps the pins the directory gave it and serves a "
-        "pinned conversation's later turns without asking the directory, syncing with it this often (the turns it served, "
-        "the pins that changed elsewhere, the live decoders; router/pin_cache.py); a pin is used only while the last sync "
-        "is at most two periods old. 0: every turn asks the directory")
-    ownership_db_path: str = Field(
-        ".cache/baton/conversations.sqlite3", min_length=1,
-        description="SQLite file recording who owns each conversation (survives directory and cluster restarts); "
-        "relative to the repo root, on the node the directory runs on; ':memory:' keeps it in memory (tests)")
+    pin_cache_sync_s: float = Field(0.5, ge=0, le=10.0, description="pinning policies: each ingress keeps the pins the directory "
+        "gave it and serves a pinned conversation's later turns without asking the directory, syncing with it this often (the turns "
+        "it served, the pins that changed elsewhere, the live decoders; router/pin_cache.py); a pin is used only while the last "
+        "sync is at most two periods old. 0: every turn asks the directory")
+    directory_shards: int = Field(1, ge=1, le=MAX_SHARDS, description="directory replicas, each owning the conversations whose session ids hash to it "
+        "(router/directory_shards.py); ingresses ask a conversation's shard, engines report to all. One directory takes one call "
+        "at a time: shards lift the decisions/s it caps. Changing it moves ~1/K of the pins (not the owners)")
+    ownership_db_path: str = Field(".cache/baton/conversations.sqlite3", min_length=1, description="SQLite file recording who "
+        "owns each conversation (survives directory and cluster restarts; one file for every shard); relative to the repo "
+        "root, on the node the directory runs on; ':memory:' keeps it in memory (tests)")
 
     @property
     def disaggregated(self) -> bool:

@@ -13,6 +13,7 @@ from deployments.backend import PoolBackend
 from deployments.chat import PromptRenderer
 from deployments.chat_service import ChatService
 from deployments.config import RealtimeConfig
+from deployments.directory_client import DirectoryShards
 from deployments.frontend import OpenAIFrontend
 from deployments.grpc_api import GrpcFrontend
 from deployments.inflight import InflightLimit
@@ -20,7 +21,7 @@ from deployments.input_limits import InputLimits
 from deployments.memory_api import MemoryFrontend
 from deployments.metrics import ServeIngressMetrics, ServeRealtimeMetrics
 from deployments.openai_api import api_keys_from_env, build_openai_app
-from deployments.pin_sync import PinSyncer
+from deployments.pin_sync import ShardedPins
 from deployments.realtime_api import RealtimeFrontend
 from deployments.salt import PrefixCacheScope
 from deployments.tool_calls import ToolCalling
@@ -55,7 +56,7 @@ class IngressSettings:
 @serve.deployment(name="ingress")
 @serve.ingress()
 class Ingress:
-    def __init__(self, decode: Any, prefill: Any, directory: Any, settings: IngressSettings, memory_store: Any = None):
+    def __init__(self, decode: Any, prefill: Any, directory: DirectoryShards, settings: IngressSettings, memory_store: Any = None):
         self._directory = directory
         self._settings = settings
         self._api_keys = api_keys_from_env(settings.api_keys_env, os.environ)
@@ -70,10 +71,10 @@ class Ingress:
             self._realtime = RealtimeFrontend(settings.realtime, decode, directory, renderer, ServeRealtimeMetrics())
         self._metrics = ServeIngressMetrics()
         self._admission = InflightLimit(settings.max_inflight_requests, settings.admission, metrics=self._metrics)
-        pins = PinSyncer(PinCache(settings.policy, settings.pin_cache_sync_s, threshold_tokens=settings.conditional_pd_threshold_tokens),
-                         directory)
+        pins = ShardedPins.over(lambda: PinCache(settings.policy, settings.pin_cache_sync_s, threshold_tokens=settings.conditional_pd_threshold_tokens),
+                                directory)
         self._backend = PoolBackend(decode, prefill if settings.disaggregated else None, directory, resumes=self._metrics,
-                                    load_hint=self._admission.note_pool, pins=pins if pins.cache.enabled else None)
+                                    load_hint=self._admission.note_pool, pins=pins if pins.enabled else None)
         self._frontend = OpenAIFrontend(
             model_id=settings.model_id,
             renderer=renderer,
@@ -123,7 +124,7 @@ class Ingress:
         """The directory's snapshot; `flush`: after this ingress's cached turns reached it."""
         if flush:
             await self._backend.flush_pins()
-        return await asyncio.wait_for(self._directory.snapshot.remote(), timeout=5.0)
+        return await asyncio.wait_for(self._directory.snapshot(), timeout=5.0)
 
     async def _public_stats(self) -> dict[str, Any]:
         """GET /baton/stats: the directory's snapshot, and the streams this ingress replica resumed
@@ -139,12 +140,12 @@ class Ingress:
     async def _end_conversation(self, session_id: str, user: str | None) -> bool:
         """DELETE /v1/conversations/{id}: the directory checks the owner, drops the pin and the ownership."""
         await self._backend.flush_pins()
-        return await asyncio.wait_for(self._directory.end_conversation.remote(session_id, user), timeout=5.0)
+        return await asyncio.wait_for(self._directory.for_session(session_id).end_conversation.remote(session_id, user), timeout=5.0)
 
     async def _describe_conversation(self, session_id: str, user: str | None) -> dict[str, Any] | None:
         """GET /v1/conversations/{id}: the directory checks the owner and describes the pin."""
         await self._backend.flush_pins()
-        return await asyncio.wait_for(self._directory.describe_conversation.remote(session_id, user), timeout=5.0)
+        return await asyncio.wait_for(self._directory.for_session(session_id).describe_conversation.remote(session_id, user), timeout=5.0)
 
     async def _health(self) -> dict[str, Any]:
         """ok when the directory sees a live decode replica (and a prefill replica where the

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from deployments.directory_client import DirectoryShards
 from router.pin_cache import PinCache
 
 logger = logging.getLogger("ray.serve")
@@ -66,3 +68,55 @@ class PinSyncer:
         """Send this ingress's pending turns now (before a read of the directory's state)."""
         if self.cache.enabled:
             await self.sync_once()
+
+
+class ShardedPins:
+    """One pin cache and syncer per directory shard (deployments/directory_client.py): a
+    conversation's pins live in its shard's cache and sync with that shard; turns without a
+    session id are planned from shard 0's view of the loads and reported to it."""
+
+    def __init__(self, syncers: Sequence[PinSyncer], directory: DirectoryShards):
+        if len(syncers) != directory.count:
+            raise ValueError(f"{len(syncers)} pin caches for {directory.count} directory shards")
+        self._directory = directory
+        self.syncers = tuple(syncers)
+
+    @classmethod
+    def over(cls, make_cache: Callable[[], PinCache], directory: DirectoryShards) -> ShardedPins:
+        """A fresh cache for each shard of `directory`, syncing with that shard."""
+        return cls([PinSyncer(make_cache(), h) for h in directory.shards()], directory)
+
+    @property
+    def enabled(self) -> bool:
+        return self.syncers[0].cache.enabled
+
+    def for_session(self, session_id: str | None) -> PinSyncer:
+        return self.syncers[self._directory.index_of(session_id)]
+
+    def start(self) -> None:
+        for s in self.syncers:
+            s.start()
+
+    async def flush(self) -> None:
+        await asyncio.gather(*(s.flush() for s in self.syncers))
+
+    def forget_decoder(self, replica_id: str) -> int:
+        return sum(s.cache.forget_decoder(replica_id) for s in self.syncers)
+
+    def snapshot(self) -> dict[str, object]:
+        """The caches' counts summed (`fresh`: every shard's cache is; `live_decoders`: the fewest any shard sees)."""
+        snaps = [s.cache.snapshot() for s in self.syncers]
+        if len(snaps) == 1:
+            return snaps[0]
+        out: dict[str, object] = {}
+        for key, value in snaps[0].items():
+            if key == "fresh" or isinstance(value, bool):
+                out[key] = all(bool(s[key]) for s in snaps)
+            elif key == "live_decoders":
+                out[key] = min(int(s[key]) for s in snaps)  # type: ignore[call-overload]
+            elif key == "sync_period_s":
+                out[key] = value
+            else:
+                out[key] = sum(s[key] for s in snaps)  # type: ignore[misc]
+        out["shards"] = len(snaps)
+        return out

@@ -164,7 +164,7 @@ class EngineReplica:
         report = replica_report(self._replica_id, self._pool, stats, process_ledger().totals(), extra,
                                 self._held.recent(time.monotonic()), self._realtime.token_growth(), self._node_id)
         if self._directory is not None and stats.healthy:
-            self._directory.report.remote(report)
+            self._directory.report(report)  # to every shard (deployments/directory_client.py)
         return report.figures()
 
     async def engine_stats(self) -> EngineStats:

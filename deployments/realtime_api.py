@@ -233,7 +233,7 @@ class RealtimeFrontend:
         try:
             cliff = self._cfg.cliff
             horizon = cliff.horizon_s if cliff.action != "off" else None  # a decoder away from its cliff, if any
-            plan = await asyncio.wait_for(self._directory.route.remote(msg.session_id, None, len(msg.preamble_ids), owned=False,
+            plan = await asyncio.wait_for(self._directory.for_session(msg.session_id).route.remote(msg.session_id, None, len(msg.preamble_ids), owned=False,
                                                                        cliff_horizon_s=horizon), 5.0)
             return plan.decode_replica, plan.cliff_eta_s
         except Exception as e:  # noqa: BLE001 - advisory: place by load

@@ -32,6 +32,7 @@ from typing import Any
 from router.cliff import CliffForecast, forecast_cliff, within_horizon
 from router.conversation_info import ConversationInfo
 from router.directory_loads import count_unreported, decoder_loads, prefill_loads
+from router.directory_shards import shard_of
 from router.directory_types import DirectorySettings, Pin, Reported
 from router.ownership import Claim, KnownOwners, OwnershipStore
 from router.pin_cache import PinSync, PinUpdate, Placed, Touch
@@ -84,13 +85,13 @@ class DirectoryState:
     def _adopt(self, report: ReplicaReport, now: float) -> None:
         """Pins back from a decoder's list of the conversations it holds. A pin this directory
         placed is never overridden; of two decoders claiming one conversation the one that served
-        it last wins; conversations idle past the TTL, ended or never owned are not adopted; a
-        full directory adopts nothing (adoption is best effort)."""
+        it last wins; conversations idle past the TTL, ended, never owned or another shard's are not
+        adopted; a full directory adopts nothing (adoption is best effort)."""
         s = self.settings
         for sid, idle in report.conversations:
             seen = now - idle
             pin = self._pins.get(sid)
-            if idle > s.conversation_ttl_s or (pin is not None and (not pin.adopted or pin.last_seen >= seen)):
+            if idle > s.conversation_ttl_s or (pin is not None and (not pin.adopted or pin.last_seen >= seen)) or shard_of(sid, s.shards) != s.shard:
                 continue
             if pin is None and len(self._pins) >= s.max_conversations:
                 continue

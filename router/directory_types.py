@@ -43,3 +43,11 @@ class DirectorySettings:
     # every prefill replica has more prompt tokens queued than this while the decoder is idle:
     # the decoder prefills the turn itself (totals["prefill_fallback_local"])
     prefill_queue_limit_tokens: int = 16384
+    # this directory is shard `shard` of `shards` (router/directory_shards.py): it adopts from the
+    # decoders' reports only the conversations whose session ids hash to it
+    shard: int = 0
+    shards: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.shard < self.shards:
+            raise ValueError(f"directory shard {self.shard} out of range for {self.shards} shards")

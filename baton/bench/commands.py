@@ -43,6 +43,9 @@ def register(subparsers: Any) -> None:
                         "size them to the host: a slower CPU prefills a first turn in seconds)")
     p.add_argument("--ttft-slo", type=_positive, default=None,
                    help="conserve only: the p95 TTFT (s) colocated must meet at the headline level (default 3)")
+    p.add_argument("--variants", default=None,
+                   help="control only: the variants to run, comma-separated, of no_pin_cache, pin_cache, throughput_optimized "
+                        "(the default: these three) and sharded_directory")
     p.add_argument("--out", type=Path, default=None, help="output dir (default ./runs/bench-<name>-<timestamp>, relative to where you run it)")
     p.set_defaults(func=run_bench)
 
@@ -70,6 +73,16 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.name != "conserve":
             raise SystemExit("--rates and --ttft-slo are only for `baton bench conserve`")
         extra.update(conserve_only)
+    if getattr(args, "variants", None) is not None:
+        if args.name != "control":
+            raise SystemExit("--variants is only for `baton bench control`")
+        from baton.bench.control_config import pick_variants
+
+        try:
+            pick_variants(args.variants)
+        except ValueError as e:
+            raise SystemExit(f"--variants: {e}") from None
+        extra["variants"] = args.variants
     scale_only = {k: getattr(args, k, None) for k in ("calibrate", "cpu_steps", "served_steps", "replicas_json")}
     if any(v is not None for v in scale_only.values()):
         if args.name != "scale":

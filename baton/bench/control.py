@@ -91,6 +91,7 @@ from baton.bench.control_config import (
     Sweep,
     Variant,
     app_args,
+    pick_variants,
     served_model,
     start_timeout_s,
     sweep,
@@ -217,7 +218,7 @@ def _run_size(n: int, variant: Variant, sw: Sweep, out_dir: Path,
     from baton.bench.cluster import LocalServeApp, replica_rss_bytes
 
     args = app_args(n, Path(tempfile.mkdtemp(prefix="baton-control-")), max_concurrency=max(sw.concurrencies),
-                    pin_cache_sync_s=variant.pin_cache_sync_s)
+                    pin_cache_sync_s=variant.pin_cache_sync_s, directory_shards=variant.directory_shards)
     app = LocalServeApp(args, resources={SLOT: n}, num_cpus=2, http_port=HTTP_PORT, ray_port=RAY_PORT,
                         log_dir=out_dir / f"serve-{n}-{variant.name}", start_timeout_s=start_timeout_s(n), env=variant.env(HTTP_PORT))
     points: list[PointStats] = []
@@ -260,7 +261,8 @@ def _run_size(n: int, variant: Variant, sw: Sweep, out_dir: Path,
     knee = saturation_concurrency([p.concurrency for p in points], [p.decisions_per_s for p in points])
     print(f"[control] {n} replicas, {variant.name}: saturated at concurrency {knee if knee is not None else 'none (still growing)'}")
     record = {
-        "replicas": n, "variant": variant.name, "pin_cache_sync_s": variant.pin_cache_sync_s, "serve_env": variant.env(HTTP_PORT),
+        "replicas": n, "variant": variant.name, "pin_cache_sync_s": variant.pin_cache_sync_s, "directory_shards": variant.directory_shards,
+        "serve_env": variant.env(HTTP_PORT),
         "load_port": variant.load_port(HTTP_PORT), "status": "ran",
         "start_s": running.start_seconds, "all_live_s": live_s,
         "decode_rss_bytes": rss, "ingress_rss_bytes": others["ingress"], "directory_rss_bytes": others["directory"],
@@ -284,25 +286,27 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
-def _runs(replicas: tuple[int, ...]) -> list[tuple[int, Variant]]:
+def _runs(replicas: tuple[int, ...], variants: tuple[Variant, ...] = VARIANTS) -> list[tuple[int, Variant]]:
     """Every (size, variant) run in order: sizes smallest first, the variants of each in
     control_config.variant_order (alternating from one size to the next)."""
-    return [(n, v) for i, n in enumerate(replicas) for v in variant_order(i)]
+    return [(n, v) for i, n in enumerate(replicas) for v in variant_order(i, variants)]
 
 
-def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+def run(quick: bool, out_dir: Path, variants: str | None = None) -> dict[str, Any]:
+    """variants: the names to run, comma-separated (`--variants`; default every one)."""
     from baton.bench.control_plot import plot
 
+    chosen = pick_variants(variants)
     sw = sweep(quick)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"[control] sizes {sw.replicas}, concurrency {sw.concurrencies}, {sw.duration_s:.0f}s per point after {sw.warmup_s:.0f}s "
           f"warm-up; simulated time_scale {TIME_SCALE}, max_tokens {MAX_TOKENS}, policy colocated; variants "
-          + ", ".join(f"{v.name} (pin_cache_sync_s {v.pin_cache_sync_s})" for v in VARIANTS))
+          + ", ".join(f"{v.name} (pin_cache_sync_s {v.pin_cache_sync_s}, directory shards {v.directory_shards})" for v in chosen))
     sizes: list[dict[str, Any]] = []
     points: list[PointStats] = []
     model: MemoryModel | None = None
     idle_first: int | None = None
-    runs = _runs(sw.replicas)
+    runs = _runs(sw.replicas, chosen)
     for i, (n, variant) in enumerate(runs):
         available = _available()
         tag = {"replicas": n, "variant": variant.name}
@@ -332,7 +336,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     line = result_line(points, max_run, model.per_replica_bytes if model else None)
     report = {
         "quick": quick, "sweep": asdict(sw), "time_scale": TIME_SCALE, "max_tokens": MAX_TOKENS, "policy": "colocated",
-        "variants": [asdict(v) for v in VARIANTS], "headline_variant": PIN_CACHE.name,
+        "variants": [asdict(v) for v in chosen], "headline_variant": PIN_CACHE.name,
         "sizes": sizes, "points": [asdict(p) for p in points], "best": asdict(best) if best else None,
         "max_replicas": max_run, "projected_max_replicas": ceiling,
         "per_replica_rss_bytes": model.per_replica_bytes if model else None, "goal": asdict(goal) if goal else None,

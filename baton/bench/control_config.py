@@ -46,12 +46,14 @@ class Variant:
     asks the conversation directory; > 0: each ingress caches the pins it was given and syncs
     with the directory this often, router/pin_cache.py) and the Ray Serve mode the cluster runs
     under (serve_env: extra environment for `ray start` and `serve run`; direct_ingress: the load
-    goes to the ingress replica's own port instead of the HTTP proxy's)."""
+    goes to the ingress replica's own port instead of the HTTP proxy's); directory_shards: the
+    conversation directory's shards (routing.directory_shards, router/directory_shards.py)."""
 
     name: str
     pin_cache_sync_s: float
     serve_env: tuple[tuple[str, str], ...] = ()
     direct_ingress: bool = False
+    directory_shards: int = 1
 
     def env(self, http_port: int) -> dict[str, str]:
         """The cluster's extra environment for this variant, the direct-ingress ports included."""
@@ -66,7 +68,22 @@ NO_PIN_CACHE = Variant("no_pin_cache", 0.0)
 PIN_CACHE = Variant("pin_cache", 0.5)  # the config's default (routing.pin_cache_sync_s)
 # Ray Serve's throughput-optimized mode, direct ingress included (baton/bench/serve_modes.py)
 THROUGHPUT_OPTIMIZED = Variant("throughput_optimized", 0.5, tuple(THROUGHPUT_OPTIMIZED_ENV.items()), direct_ingress=True)
-VARIANTS = (NO_PIN_CACHE, PIN_CACHE, THROUGHPUT_OPTIMIZED)
+VARIANTS = (NO_PIN_CACHE, PIN_CACHE, THROUGHPUT_OPTIMIZED)  # what a run without --variants compares
+# on request (--variants): the throughput-optimized mode with the directory in two shards, each
+# owning half the conversations, both hearing every report (router/directory_shards.py)
+SHARDED_DIRECTORY = Variant("sharded_directory", 0.5, tuple(THROUGHPUT_OPTIMIZED_ENV.items()), direct_ingress=True, directory_shards=2)
+ALL_VARIANTS = (*VARIANTS, SHARDED_DIRECTORY)
+
+
+def pick_variants(names: str | None) -> tuple[Variant, ...]:
+    """The variants named (comma-separated, in ALL_VARIANTS' order); None: VARIANTS."""
+    if names is None:
+        return VARIANTS
+    asked = {n.strip() for n in names.split(",") if n.strip()}
+    unknown = asked - {v.name for v in ALL_VARIANTS}
+    if unknown or not asked:
+        raise ValueError(f"unknown variants {sorted(unknown)}; choose from {', '.join(v.name for v in ALL_VARIANTS)}")
+    return tuple(v for v in ALL_VARIANTS if v.name in asked)
 
 
 def variant_order(size_index: int, variants: tuple[Variant, ...] = VARIANTS) -> tuple[Variant, ...]:
@@ -79,7 +96,7 @@ def variant_order(size_index: int, variants: tuple[Variant, ...] = VARIANTS) -> 
 
 
 def app_args(replicas: int, state_dir: Path, *, max_concurrency: int, pin_cache_sync_s: float,
-             time_scale: float = TIME_SCALE) -> dict[str, Any]:
+             time_scale: float = TIME_SCALE, directory_shards: int = 1) -> dict[str, Any]:
     """local_simulated.yaml's args with `replicas` decode replicas on the colocated policy and the
     ingress pin cache syncing every pin_cache_sync_s (0: off).
 
@@ -96,7 +113,7 @@ def app_args(replicas: int, state_dir: Path, *, max_concurrency: int, pin_cache_
     args["ingress"] = {**args["ingress"], "default_max_tokens": MAX_TOKENS,
                        "max_inflight_requests": 2 * max_concurrency, "max_ongoing_requests": 4 * max_concurrency}
     args["routing"] = {**args["routing"], "policy": "colocated", "ownership_db_path": str(state_dir / "conversations.sqlite3"),
-                       "pin_cache_sync_s": pin_cache_sync_s}
+                       "pin_cache_sync_s": pin_cache_sync_s, "directory_shards": directory_shards}
     args["prefill"] = {**args["prefill"], "num_replicas": 0}
     decode = args["decode"]
     engine = {**decode["engine"], "simulated": {**decode["engine"]["simulated"], "time_scale": time_scale}}

@@ -9,7 +9,7 @@ heartbeats), so a figure is what a turn costs that role at this rate, not the tu
 
 Roles, from a process's /proc/PID/cmdline bytes (role_of): `proxy` (Serve's HTTP proxy actor,
 "ProxyActor"), `ingress`, `directory`, `decode` (the Serve replicas of those deployments of the
-app, "ray::ServeReplica:<app>:<deployment>", every decode replica summed), `ray_other` (every
+app, "ray::ServeReplica:<app>:<deployment>", every decode replica and every directory shard summed), `ray_other` (every
 other Ray process: raylet, gcs_server, Serve's controller, agents, idle workers, the `serve run`
 driver, replicas of other deployments) and `client` (the load generator, this process: its own
 CPU clock over the same window, from run_point, not read from /proc).
@@ -47,7 +47,13 @@ def _is_replica(cmdline: bytes, deployment: str, app: str) -> bool:
     """cmdline is "ray::ServeReplica:<app>:<deployment>", alone or followed by the method Ray
     names in the title (".handle_request") or argv padding — not a longer deployment name."""
     marker = f"ray::ServeReplica:{app}:{deployment}".encode()
-    return cmdline.startswith(marker) and cmdline[len(marker):len(marker) + 1] in (b"", b".", b"\0", b" ")
+    if not cmdline.startswith(marker):
+        return False
+    rest = cmdline[len(marker):]
+    if deployment == "directory" and rest.startswith(b"-"):  # a shard: directory-<i> (router/directory_shards.py)
+        digits = len(rest[1:]) - len(rest[1:].lstrip(b"0123456789"))
+        rest = rest[1 + digits:] if digits else rest
+    return rest[:1] in (b"", b".", b"\0", b" ")
 
 
 def role_of(cmdline: bytes, app: str = APP) -> str | None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from baton.bench.conserve_stats import INF, percentile
-from baton.bench.control_config import NO_PIN_CACHE, PIN_CACHE, THROUGHPUT_OPTIMIZED
+from baton.bench.control_config import NO_PIN_CACHE, PIN_CACHE, SHARDED_DIRECTORY, THROUGHPUT_OPTIMIZED, Variant
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -205,6 +205,20 @@ def goal_verdict(points: Sequence[PointStats], replicas: int, min_rate: float = 
     return GoalVerdict(replicas, best.decisions_per_s, best.concurrency, best.decisions_per_s >= min_rate)
 
 
+def directory_ceiling(point: PointStats | None, variant: Variant) -> float | None:
+    """The decisions/s the directory's CPU allows at `point`'s cost: each shard is one replica
+    that serves one call at a time, so at most one core each, and the hash spreads conversations
+    evenly (tests/unit/test_directory_shards.py: within 5 %), so shards × 1000 ÷ the directory's
+    CPU ms per turn over all its shards (control_cpu.py). Reports reach every shard, so their cost
+    grows with the shards and is in the figure. None: not measured (nan or 0 ms)."""
+    if point is None:
+        return None
+    ms = point.cpu_ms_per_turn.get("directory", math.nan)
+    if math.isnan(ms) or ms <= 0 or math.isinf(ms):
+        return None
+    return variant.directory_shards * 1000.0 / ms
+
+
 def _ms(x: float | None) -> str:
     if x is None or math.isnan(x):
         return "nan"
@@ -222,7 +236,9 @@ def result_line(points: Sequence[PointStats], max_replicas_run: int | None, per_
     per_replica_rss_mib=… saturated_at_concurrency=… decisions_per_s_ratio_pin_cache=… route_p50_ms_at_max=…
     route_p50_ms_no_pin_cache=… cpu_ms_per_turn_at_max=… decisions_per_s_max_throughput_optimized=…
     route_p99_ms_throughput_optimized=… cpu_ms_per_turn_throughput_optimized=…
-    decisions_per_s_ratio_throughput_optimized=…`.
+    decisions_per_s_ratio_throughput_optimized=… directory_ceiling_throughput_optimized=…
+    decisions_per_s_max_sharded_directory=… directory_ceiling_sharded_directory=…
+    directory_ceiling_ratio_sharded=…`.
 
     The best point of the `pin_cache` variant (the default config), the concurrency where its
     fleet size saturates (`none`: still growing at the sweep's end; `nan`: nothing ran), its
@@ -231,7 +247,11 @@ def result_line(points: Sequence[PointStats], max_replicas_run: int | None, per_
     per ok turn over every role (control_cpu.py; `nan`: not measured). Then the best point of
     `throughput_optimized` (Ray Serve's throughput-optimized mode): its decisions/s, route p99 and
     CPU ms per turn, and its decisions/s over the `pin_cache` point's at the same size and
-    concurrency (`nan` where either did not run)."""
+    concurrency (`nan` where either did not run). Then the directory's ceiling (directory_ceiling)
+    at that point, the best point of `sharded_directory` (the same mode, 2 shards) with its
+    ceiling, and the ratio of the sharded ceiling to the unsharded one at the same size and
+    concurrency (2.0 if sharding split the directory's work with no cost; less where the shards'
+    duplicated report handling costs)."""
     best = best_point(points)
     off = counterpart(points, best, NO_PIN_CACHE.name) if best is not None else None
     if best is None:
@@ -245,6 +265,12 @@ def result_line(points: Sequence[PointStats], max_replicas_run: int | None, per_
     fast = best_point(points, THROUGHPUT_OPTIMIZED.name)
     base = counterpart(points, fast, PIN_CACHE.name) if fast is not None else None
     fast_gain = ratio(fast.decisions_per_s, base.decisions_per_s) if fast is not None and base is not None else None
+    ceil_fast = directory_ceiling(fast, THROUGHPUT_OPTIMIZED)
+    sharded = best_point(points, SHARDED_DIRECTORY.name)
+    ceil_sharded = directory_ceiling(sharded, SHARDED_DIRECTORY)
+    same = counterpart(points, sharded, THROUGHPUT_OPTIMIZED.name) if sharded is not None else None
+    ceil_same = directory_ceiling(same, THROUGHPUT_OPTIMIZED)
+    ceil_gain = ratio(ceil_sharded, ceil_same) if ceil_sharded is not None and ceil_same is not None else None
     return (f"RESULT decisions_per_s_max={'nan' if best is None else f'{best.decisions_per_s:.1f}'} "
             f"route_p99_ms_at_max={_ms(best.route_p99_s if best else None)} "
             f"replicas_at_max={'nan' if best is None else best.replicas} "
@@ -257,7 +283,11 @@ def result_line(points: Sequence[PointStats], max_replicas_run: int | None, per_
             f"decisions_per_s_max_throughput_optimized={_num(fast.decisions_per_s if fast else None, 1)} "
             f"route_p99_ms_throughput_optimized={_ms(fast.route_p99_s if fast else None)} "
             f"cpu_ms_per_turn_throughput_optimized={_num(fast.cpu_ms_per_turn_total if fast else None, 3)} "
-            f"decisions_per_s_ratio_throughput_optimized={_num(fast_gain, 3)}")
+            f"decisions_per_s_ratio_throughput_optimized={_num(fast_gain, 3)} "
+            f"directory_ceiling_throughput_optimized={_num(ceil_fast, 0)} "
+            f"decisions_per_s_max_sharded_directory={_num(sharded.decisions_per_s if sharded else None, 1)} "
+            f"directory_ceiling_sharded_directory={_num(ceil_sharded, 0)} "
+            f"directory_ceiling_ratio_sharded={_num(ceil_gain, 3)}")
 
 
 MAX_FAILURE_SHARE = 0.01  # a size "holds" only if its turns failed at most this often

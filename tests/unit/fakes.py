@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baton.engine.types import GenerationDelta, GenerationRequest
+from deployments.directory_client import DirectoryShards
 from router.directory_state import DirectoryState
 from router.policy import TurnPlan
 
@@ -214,17 +215,18 @@ class FakePoolHandle:
 
 
 class _RemoteMethod:
-    def __init__(self, directory: FakeDirectory, name: str):
+    def __init__(self, directory: FakeDirectoryHandle, name: str):
         self._directory, self._name = directory, name
 
     def remote(self, *args: Any, **kwargs: Any) -> Awaitable[Any]:
         self._directory.calls.append((self._name, args))
         self._directory.kwargs.append((self._name, kwargs))
-        return self._directory._answer(self._name, args, kwargs)
+        # as a Serve handle does, the call starts now (a fire-and-forget report runs unawaited)
+        return asyncio.ensure_future(self._directory._answer(self._name, args, kwargs))
 
 
-class FakeDirectory:
-    """The conversation directory's handle.
+class FakeDirectoryHandle:
+    """One directory shard's Serve handle.
 
     plans   route() answers these in order (the last one repeats); or
     state   a DirectoryState that answers everything, at `clock()`
@@ -271,7 +273,22 @@ class FakeDirectory:
             n = len(self.called("route"))
             assert self._plans, "FakeDirectory has no plan to answer route()"
             return self._plans[min(n, len(self._plans)) - 1]
-        return None
+        return 0 if name == "replica_failed" else None  # conversations it held: an int, as router/directory.py answers
+
+
+class FakeDirectory(DirectoryShards):
+    """The conversation directory as its callers see it (the real deployments/directory_client.py)
+    over one FakeDirectoryHandle shard; the shard's records (`calls`, `called`, `state`, ...) and
+    its remote methods (`route.remote`, ...) read through. Takes FakeDirectoryHandle's arguments."""
+
+    def __init__(self, plans: Sequence[TurnPlan] = (), **kw: Any):
+        self.handle = FakeDirectoryHandle(plans, **kw)
+        super().__init__([self.handle])
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "handle":
+            raise AttributeError(name)
+        return getattr(self.handle, name)
 
 
 # ---- the memory store's handle --------------------------------------------------------------------

@@ -104,3 +104,18 @@ def test_rates_and_ttft_slo_reach_only_the_conserve_bench(recorded: list[Path], 
                 ["--ttft-slo", "-1"], ["--ttft-slo", "nan"]):
         with pytest.raises(SystemExit):  # argparse refuses it with a message
             build_parser().parse_args(["bench", "conserve", *bad])
+
+
+def test_variants_reach_only_the_control_bench_and_unknown_ones_are_refused(recorded: list[Path], tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_bench(monkeypatch, "control")
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["bench", "control", "--quick", "--variants", "throughput_optimized,sharded_directory"])
+    assert args.func(args) == 0 and calls[-1] == {"variants": "throughput_optimized,sharded_directory"}
+    args = build_parser().parse_args(["bench", "control", "--variants", "fastest"])
+    with pytest.raises(SystemExit, match="--variants: unknown variants"):
+        args.func(args)
+    args = build_parser().parse_args(["bench", "fake", "--variants", "pin_cache"])
+    with pytest.raises(SystemExit, match="only for `baton bench control`"):
+        args.func(args)
+    assert len(calls) == 1

@@ -17,12 +17,14 @@ from baton.bench.control_config import (
     NO_PIN_CACHE,
     PIN_CACHE,
     REPLICA_CPUS,
+    SHARDED_DIRECTORY,
     SLOT,
     THROUGHPUT_OPTIMIZED,
     TIME_SCALE,
     VARIANTS,
     Variant,
     app_args,
+    pick_variants,
     served_model,
     start_timeout_s,
     sweep,
@@ -31,13 +33,15 @@ from baton.bench.control_config import (
 from deployments.config import ConfigError, RoutingConfig, load_app_config
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", (*VARIANTS, SHARDED_DIRECTORY), ids=lambda v: v.name)
 @pytest.mark.parametrize("quick", [True, False])
 def test_every_size_of_the_sweep_is_a_valid_config(quick: bool, variant: Variant, tmp_path: Path) -> None:
     sw = sweep(quick)
     for n in sw.replicas:
-        cfg = load_app_config(app_args(n, tmp_path, max_concurrency=max(sw.concurrencies), pin_cache_sync_s=variant.pin_cache_sync_s))
+        cfg = load_app_config(app_args(n, tmp_path, max_concurrency=max(sw.concurrencies), pin_cache_sync_s=variant.pin_cache_sync_s,
+                                       directory_shards=variant.directory_shards))
         assert cfg.routing.pin_cache_sync_s == variant.pin_cache_sync_s
+        assert cfg.routing.directory_shards == variant.directory_shards
         assert cfg.decode.num_replicas == n and cfg.routing.policy == "colocated"
         assert cfg.prefill is not None and cfg.prefill.num_replicas == 0
         assert cfg.decode.engine.kind == "simulated" and cfg.decode.engine.simulated is not None
@@ -113,3 +117,14 @@ def test_its_ports_are_no_other_benchs() -> None:
     others = [p for p in Path(commands.__file__).parent.glob("*.py") if p.name != "control.py"]
     for port in (control.HTTP_PORT, control.RAY_PORT):
         assert not [p.name for p in others if str(port) in p.read_text()]
+
+
+def test_the_sharded_directory_variant_is_the_throughput_mode_with_two_shards_and_runs_on_request() -> None:
+    assert SHARDED_DIRECTORY not in VARIANTS and pick_variants(None) == VARIANTS
+    assert SHARDED_DIRECTORY.directory_shards == 2 and all(v.directory_shards == 1 for v in VARIANTS)
+    assert SHARDED_DIRECTORY.env(28800) == THROUGHPUT_OPTIMIZED.env(28800) and SHARDED_DIRECTORY.load_port(28800) == 28801
+    assert SHARDED_DIRECTORY.pin_cache_sync_s == THROUGHPUT_OPTIMIZED.pin_cache_sync_s  # only the shards differ
+    assert pick_variants("sharded_directory, throughput_optimized") == (THROUGHPUT_OPTIMIZED, SHARDED_DIRECTORY)  # declared order
+    for bad in ("", "sharded", "pin_cache,nope"):
+        with pytest.raises(ValueError, match="choose from"):
+            pick_variants(bad)

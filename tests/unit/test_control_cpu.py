@@ -32,6 +32,9 @@ SITE = b"/work/.venv/lib/python3.12/site-packages"
     (b"ray::ServeReplica:baton:ingress\0\0\0", "ingress"),
     (b"ray::ServeReplica:baton:ingress.handle_request_with_rejection", "ingress"),
     (b"ray::ServeReplica:baton:directory", "directory"),
+    (b"ray::ServeReplica:baton:directory-3.handle_request", "directory"),  # a shard
+    (b"ray::ServeReplica:baton:directory-", "ray_other"),
+    (b"ray::ServeReplica:baton:directory-1x", "ray_other"),
     (b"ray::ServeReplica:baton:decode.handle_request_streaming", "decode"),
     (b"ray::ServeReplica:baton:decode", "decode"),
     (b"ray::ServeReplica:baton:prefill", "ray_other"),  # a deployment with no role of its own

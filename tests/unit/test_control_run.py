@@ -77,7 +77,9 @@ def test_sizes_past_the_memory_projection_are_skipped(monkeypatch: pytest.Monkey
                     "per_replica_rss_mib=100.0 saturated_at_concurrency=none decisions_per_s_ratio_pin_cache=2.000 "
                     "route_p50_ms_at_max=8.00 route_p50_ms_no_pin_cache=16.00 cpu_ms_per_turn_at_max=0.500 "
                     "decisions_per_s_max_throughput_optimized=675.0 route_p99_ms_throughput_optimized=8.00 "
-                    "cpu_ms_per_turn_throughput_optimized=0.500 decisions_per_s_ratio_throughput_optimized=1.500") == saved["result"]
+                    "cpu_ms_per_turn_throughput_optimized=0.500 decisions_per_s_ratio_throughput_optimized=1.500 "
+        "directory_ceiling_throughput_optimized=nan decisions_per_s_max_sharded_directory=nan directory_ceiling_sharded_directory=nan "
+        "directory_ceiling_ratio_sharded=nan") == saved["result"]
 
 
 @pytest.mark.usefixtures("sixteen_gib")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -126,7 +127,9 @@ def test_result_line_is_computed_from_the_points() -> None:
         "per_replica_rss_mib=150.2 saturated_at_concurrency=32 decisions_per_s_ratio_pin_cache=nan route_p50_ms_at_max=2.00 "
         "route_p50_ms_no_pin_cache=nan cpu_ms_per_turn_at_max=nan decisions_per_s_max_throughput_optimized=nan "
         "route_p99_ms_throughput_optimized=nan cpu_ms_per_turn_throughput_optimized=nan "
-        "decisions_per_s_ratio_throughput_optimized=nan")  # no no_pin_cache or throughput_optimized point, no CPU read: nan
+        "decisions_per_s_ratio_throughput_optimized=nan "
+        "directory_ceiling_throughput_optimized=nan decisions_per_s_max_sharded_directory=nan directory_ceiling_sharded_directory=nan "
+        "directory_ceiling_ratio_sharded=nan")  # no no_pin_cache or throughput_optimized point, no CPU read: nan
     assert result_line(points[3:], 32, MIB).split()[2] == "route_p99_ms_at_max=inf"  # 99/s at 32 replicas with one failure
     assert " saturated_at_concurrency=none " in result_line(points[:2], 8, MIB)
 
@@ -137,7 +140,9 @@ def test_result_line_without_points() -> None:
         "per_replica_rss_mib=nan saturated_at_concurrency=nan decisions_per_s_ratio_pin_cache=nan route_p50_ms_at_max=nan "
         "route_p50_ms_no_pin_cache=nan cpu_ms_per_turn_at_max=nan decisions_per_s_max_throughput_optimized=nan "
         "route_p99_ms_throughput_optimized=nan cpu_ms_per_turn_throughput_optimized=nan "
-        "decisions_per_s_ratio_throughput_optimized=nan")
+        "decisions_per_s_ratio_throughput_optimized=nan "
+        "directory_ceiling_throughput_optimized=nan decisions_per_s_max_sharded_directory=nan directory_ceiling_sharded_directory=nan "
+        "directory_ceiling_ratio_sharded=nan")
 
 
 def both(n: int, c: int, on: int, off: int, off_route: float = 0.004) -> list:
@@ -239,3 +244,24 @@ def test_result_line_reports_the_throughput_optimized_variant_against_pin_cache_
     assert goal_verdict(points, 8, variant="throughput_optimized").decisions_per_s == 400.0
     alone = dict(kv.split("=") for kv in result_line(fast, 8, MIB).split()[1:])  # no pin_cache point to compare with
     assert alone["decisions_per_s_ratio_throughput_optimized"] == "nan" and alone["decisions_per_s_max"] == "nan"
+
+
+def test_the_directory_ceiling_is_shards_over_the_directory_s_cpu_per_turn() -> None:
+    from baton.bench.control_config import SHARDED_DIRECTORY, THROUGHPUT_OPTIMIZED
+    from baton.bench.control_stats import directory_ceiling
+
+    def at(c: int, rate: int, directory_ms: float, variant: str) -> Any:
+        p = summarize_point(8, c, [ok()] * rate, 1.0, variant=variant)
+        return replace(p, cpu_ms_per_turn={"directory": directory_ms, "ingress": 4.0}, cpu_ms_per_turn_total=4.0 + directory_ms)
+
+    one = at(8, 150, 0.8, "throughput_optimized")
+    assert directory_ceiling(one, THROUGHPUT_OPTIMIZED) == pytest.approx(1250.0)  # one shard, 0.8 ms a turn: 1,250/s
+    assert directory_ceiling(replace(one, cpu_ms_per_turn={"directory": 1.0}), SHARDED_DIRECTORY) == pytest.approx(2000.0)
+    for unmeasured in ({}, {"directory": math.nan}, {"directory": 0.0}, {"directory": math.inf}):
+        assert directory_ceiling(replace(one, cpu_ms_per_turn=unmeasured), THROUGHPUT_OPTIMIZED) is None
+    assert directory_ceiling(None, THROUGHPUT_OPTIMIZED) is None
+    points = [one, at(32, 140, 1.0, "throughput_optimized"), at(8, 145, 1.2, "sharded_directory"), at(32, 160, 1.25, "sharded_directory")]
+    fields = dict(kv.split("=") for kv in result_line(points, 8, MIB).split()[1:])
+    assert fields["directory_ceiling_throughput_optimized"] == "1250"  # its best point (c 8, 150/s)
+    assert fields["decisions_per_s_max_sharded_directory"] == "160.0" and fields["directory_ceiling_sharded_directory"] == "1600"
+    assert fields["directory_ceiling_ratio_sharded"] == "1.600"  # against throughput_optimized at (8, 32): 1600 / 1000

@@ -22,7 +22,7 @@ from router.scoring import LoadWeights, ReplicaLoad
 with warnings.catch_warnings():  # Ray Serve's own pydantic models warn on import
     warnings.simplefilter("ignore", DeprecationWarning)
     from deployments.backend import PoolBackend
-    from deployments.pin_sync import PinSyncer
+    from deployments.pin_sync import PinSyncer, ShardedPins
 
 
 class Clock:
@@ -260,8 +260,8 @@ def run_turns(backend: PoolBackend, syncer: PinSyncer, requests: list[Generation
 
 def backend_over(state: DirectoryState, decode: FakePoolHandle, period: float = 60.0) -> tuple[PoolBackend, PinSyncer, FakeDirectory]:
     directory = FakeDirectory(state=state, clock=lambda: 1.0)
-    syncer = PinSyncer(PinCache("colocated", period), directory)
-    return PoolBackend(decode, None, directory, pins=syncer), syncer, directory
+    syncer = PinSyncer(PinCache("colocated", period), directory.handle)
+    return PoolBackend(decode, None, directory, pins=ShardedPins([syncer], directory)), syncer, directory
 
 
 def test_later_turns_of_a_conversation_skip_the_directory_and_it_still_counts_them() -> None:
@@ -300,8 +300,8 @@ def test_a_directory_that_stops_answering_stops_the_cache_within_two_periods() -
     decode = FakePoolHandle(lambda req: FakeResponseStream(scripted_deltas(2, replica=req.target_replica)))
     clock = Clock(0.0)
     fake = FakeDirectory(state=state, clock=lambda: 1.0)
-    syncer = PinSyncer(PinCache("colocated", 0.5, clock=clock), fake)
-    backend = PoolBackend(decode, None, fake, pins=syncer)
+    syncer = PinSyncer(PinCache("colocated", 0.5, clock=clock), fake.handle)
+    backend = PoolBackend(decode, None, fake, pins=ShardedPins([syncer], fake))
     run_turns(backend, syncer, [turn("s", n=3)])
     fake.errors["sync"] = rx.ActorDiedError()
     clock.t = 0.9
@@ -485,7 +485,7 @@ def test_the_backend_places_sessionless_turns_from_the_cache_without_a_prefill_p
     assert all(r.target_replica in ("d0", "d1") for r in decode.sent)  # a target, so a lost decoder is re-placed
     assert syncer.cache.totals["sessionless_hits"] == 2 and state.totals["plan_sessionless_at_ingress"] == 2
 
-    with_prefill = PoolBackend(decode, FakePoolHandle(lambda req: FakeResponseStream(scripted_deltas(1))), fake, pins=syncer)
+    with_prefill = PoolBackend(decode, FakePoolHandle(lambda req: FakeResponseStream(scripted_deltas(1))), fake, pins=ShardedPins([syncer], fake))
     run_turns(with_prefill, syncer, [sessionless(6)])
     assert len(fake.called("route")) == 2  # a prefill pool: the directory decides on a remote prefill
 
