@@ -5,7 +5,8 @@ ingress's own turns first (GET/DELETE of a conversation, /baton/stats).
 A sync that fails or times out gives its touches back to the next one; after two periods without
 a sync the cache plans nothing (every turn asks the directory, which fails closed on its own
 terms), so a directory that is down never leaves a stale cache in use. The task starts with the
-first turn (an event loop is running then) and is cancelled with the replica."""
+first turn (an event loop is running then) and is cancelled with the replica. `ShardedPins`: one
+cache and syncer per directory shard (router/directory_shards.py)."""
 from __future__ import annotations
 
 import asyncio

@@ -138,3 +138,24 @@ def test_build_app_gives_every_pool_of_local_simulated_a_simulated_spec(tmp_path
     app.build_app(args)
     assert [(s.simulated.role, s.simulated.handoff) for s in specs] == [("decode", True), ("prefill", True)]
     assert all(engine_factory_for(s) is build_simulated_engine and "kv_transfer_config" not in s.engine_kwargs for s in specs)
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_build_app_makes_one_directory_deployment_per_shard_shared_by_the_ingress_and_the_pools(shards: int, tmp_path: Path) -> None:
+    import deployments.app as app
+    from deployments.directory_client import DirectoryShards
+
+    (tmp_path / "SmolLM2-135M-Instruct").mkdir()
+    (tmp_path / "SmolLM2-135M-Instruct" / "config.json").write_text("{}")
+    args = yaml.safe_load(LOCAL_SIMULATED.read_text())["applications"][0]["args"]
+    args["model_cache"] = str(tmp_path)
+    args["routing"] = {**args["routing"], "ownership_db_path": str(tmp_path / "owners.sqlite3"), "directory_shards": shards}
+    ingress = app.build_app(args)._bound_deployment
+    decode, _prefill, directory = ingress.init_args[:3]
+    assert isinstance(directory, DirectoryShards) and directory.count == shards
+    bound = [h._bound_deployment for h in directory.shards()]
+    names = ["directory"] if shards == 1 else [f"directory-{i}" for i in range(shards)]
+    assert [b.name for b in bound] == names
+    assert [(b.init_args[0].shard, b.init_args[0].shards) for b in bound] == [(i, shards) for i in range(shards)]
+    assert {b.init_args[1] for b in bound} == {str(tmp_path / "owners.sqlite3")}  # one ownership file for every shard
+    assert decode._bound_deployment.init_args[2] is directory  # the engines report to the same shards
