@@ -67,7 +67,7 @@ class ConversationDirectory:
             gone = self._state.expire(time.monotonic())
             if gone:
                 logger.info("expired %d idle conversations", len(gone))
-            self._live_pins.set(sum(self._state.pinned_counts().values()))
+            self._live_pins.set(self._state.live_pins())
 
     async def report(self, report: ReplicaReport) -> None:
         self._ensure_expiry()
@@ -79,7 +79,7 @@ class ConversationDirectory:
             replica_id = report.replica_id
             tags = {"decoder": replica_id}
             self._occupancy.set(report.kv_usage, tags=tags)
-            self._pinned.set(self._state.pinned_counts().get(replica_id, 0), tags=tags)
+            self._pinned.set(self._state.pinned_on(replica_id), tags=tags)
             self._kv_in.set(float(report.kv_bytes_received), tags=tags)
             self._kv_transfers.set(float(report.kv_transfers_received), tags=tags)
             forecast = self._state.cliff_forecast(replica_id)
@@ -103,7 +103,7 @@ class ConversationDirectory:
             self._fallbacks.inc()
         if plan.remote_prefill:
             self._handoffs.inc()
-        self._live_pins.set(sum(self._state.pinned_counts().values()))
+        self._live_pins.set(self._state.live_pins())
         return plan
 
     async def sync(self, via: str, incarnation: str | None, after_seq: int, touches: list[Touch], placed: list[Placed] | None = None) -> PinSync:
@@ -122,7 +122,7 @@ class ConversationDirectory:
     async def end_conversation(self, session_id: str, user: str | None) -> bool:
         """DELETE /v1/conversations/{id}: True when `user` owned it (now ended and unpinned)."""
         ended = self._state.end_conversation(session_id, user)
-        self._live_pins.set(sum(self._state.pinned_counts().values()))
+        self._live_pins.set(self._state.live_pins())
         return ended
 
     async def describe_conversation(self, session_id: str, user: str | None) -> dict[str, Any] | None:

@@ -29,22 +29,29 @@ def count_unreported(unreported: dict[str, tuple[int, int]], known: Container[st
         unreported[replica_id] = (turns + 1, tokens + prompt_tokens)
 
 
-def decoder_loads(reports: Iterable[ReplicaReport], unreported: Unreported, pins: Iterable[PinView]) -> list[ReplicaLoad]:
-    """The decoders' loads; `pins`: the conversations that count as committed load (none under per-turn policies)."""
+def pin_sums(pins: Iterable[PinView]) -> tuple[Counter[str], Counter[str]]:
+    """(pins per decoder, their prompt tokens per decoder), counted (router/pin_table.py keeps them as pins change)."""
     pinned: Counter[str] = Counter()
     held: Counter[str] = Counter()
     for p in pins:
         pinned[p.decoder] += 1
         held[p.decoder] += p.prompt_tokens
+    return pinned, held
+
+
+def decoder_loads(reports: Iterable[ReplicaReport], unreported: Unreported, pinned: Mapping[str, int],
+                  held: Mapping[str, int]) -> list[ReplicaLoad]:
+    """The decoders' loads; `pinned` / `held`: the conversations that count as committed load per
+    decoder, and the prompt tokens they hold there (empty under per-turn policies; pin_sums)."""
     loads = []
     for r in reports:
         capacity = r.kv_capacity_tokens
         turns, tokens = unreported.get(r.replica_id, (0, 0))
         sent = tokens / capacity if capacity else 0.0
-        kept = held[r.replica_id] / capacity if capacity else 0.0
+        kept = held.get(r.replica_id, 0) / capacity if capacity else 0.0
         kept = min(kept, r.kv_resident) if r.kv_resident > 0 else kept
         loads.append(ReplicaLoad(replica_id=r.replica_id, kv_usage=r.kv_usage + sent, kv_capacity_tokens=capacity,
-                                 in_flight=r.in_flight + turns, pinned=pinned[r.replica_id], kv_held=kept + sent))
+                                 in_flight=r.in_flight + turns, pinned=pinned.get(r.replica_id, 0), kv_held=kept + sent))
     return loads
 
 

@@ -16,7 +16,8 @@ lately (ReplicaReport.conversations) and a fresh directory adopts a pin for each
 has none for, so returning conversations go back to their decoder ("pinned", no second handoff).
 
 Invariants (check_integrity):
-- every pin has a non-empty session id, last_seen >= created, turns >= 1, handoffs >= 0;
+- every pin has a non-empty session id, last_seen >= created, turns >= 1, handoffs >= 0, and
+  each decoder's pin count and held tokens are their sum (router/pin_table.py);
 - at most max_conversations pins; unreported load is never negative and only on known replicas;
 - a pin's user agrees with the conversation's owner wherever the owner is cached;
 - the pin change log is in order (router/pin_log.py);
@@ -32,11 +33,12 @@ from typing import Any
 from router.cliff import CliffForecast, forecast_cliff, within_horizon
 from router.conversation_info import ConversationInfo
 from router.directory_loads import count_unreported, decoder_loads, prefill_loads
-from router.directory_shards import shard_of
 from router.directory_types import DirectorySettings, Pin, Reported
 from router.ownership import Claim, KnownOwners, OwnershipStore
+from router.pin_adoption import adopt_pins
 from router.pin_cache import PinSync, PinUpdate, Placed, Touch
 from router.pin_log import PinChangeLog, record_touch
+from router.pin_table import PinTable
 from router.placement import choose_prefill, decoder_idle
 from router.policy import DISAGGREGATED, PINNING, NoReplicaAvailable, TurnPlan, plan_turn
 from router.report import ReplicaReport
@@ -61,7 +63,7 @@ class DirectoryState:
         self._born: float | None = None  # the first report or turn this directory saw (its start)
         self._replicas: dict[str, Reported] = {}
         self._failed: dict[str, float] = {}  # replica -> when it failed
-        self._pins: dict[str, Pin] = {}
+        self._pins = PinTable()  # with each decoder's pin count and held tokens
         self._rr = 0
         # turns routed to a replica since its last report: the report does not show them yet
         self._unreported: dict[str, tuple[int, int]] = {}  # replica -> (turns, prompt tokens)
@@ -79,28 +81,10 @@ class DirectoryState:
         self._replicas[replica_id] = Reported(report, now)
         self._failed.pop(replica_id, None)
         self._unreported.pop(replica_id, None)
-        if report.pool == "decode":
-            self._adopt(report, now)
-
-    def _adopt(self, report: ReplicaReport, now: float) -> None:
-        """Pins back from a decoder's list of the conversations it holds. A pin this directory
-        placed is never overridden; of two decoders claiming one conversation the one that served
-        it last wins; conversations idle past the TTL, ended, never owned or another shard's are not
-        adopted; a full directory adopts nothing (adoption is best effort)."""
-        s = self.settings
-        for sid, idle in report.conversations:
-            seen = now - idle
-            pin = self._pins.get(sid)
-            if idle > s.conversation_ttl_s or (pin is not None and (not pin.adopted or pin.last_seen >= seen)) or shard_of(sid, s.shards) != s.shard:
-                continue
-            if pin is None and len(self._pins) >= s.max_conversations:
-                continue
-            owner = self._owners.owner(sid)
-            if owner is None:
-                continue
-            self._pins[sid] = Pin(report.replica_id, owner or None, seen, seen, adopted=True)
-            self._changed(sid)
-            self.totals["pins_adopted"] += 1
+        if report.pool == "decode":  # pins back from what the decoder holds (after a restart)
+            for sid in adopt_pins(self._pins, report, now, self.settings, self._owners.owner):
+                self._changed(sid)
+                self.totals["pins_adopted"] += 1
 
     def _is_live(self, r: Reported, now: float) -> bool:
         return r.report.replica_id not in self._failed and now - r.at <= self.settings.stale_after_s
@@ -108,10 +92,11 @@ class DirectoryState:
     def live(self, pool: str, now: float) -> list[ReplicaReport]:
         return [r.report for r in self._replicas.values() if r.report.pool == pool and self._is_live(r, now)]
 
-    def _decoder_loads(self, now: float) -> list[ReplicaLoad]:
+    def _decoder_loads(self, live: list[ReplicaReport]) -> list[ReplicaLoad]:
         # under per-turn policies a conversation's last decoder is not a commitment: no pin load
-        pins = list(self._pins.values()) if self.settings.policy in PINNING else []
-        return decoder_loads(self.live("decode", now), self._unreported, pins)
+        if self.settings.policy in PINNING:
+            return decoder_loads(live, self._unreported, self._pins.counts(), self._pins.held())
+        return decoder_loads(live, self._unreported, {}, {})
 
     def _prefill_for(self, plan: TurnPlan, now: float) -> str | None:
         """The prefill replica for a planned remote prefill, or None: prefill on the decoder."""
@@ -138,7 +123,13 @@ class DirectoryState:
         return [d for d in loads if not within_horizon(self.cliff_eta(d.replica_id, now), horizon_s)] or loads
 
     def pinned_counts(self) -> Counter[str]:
-        return Counter(p.decoder for p in self._pins.values())
+        return Counter(self._pins.counts())
+
+    def live_pins(self) -> int:
+        return len(self._pins)
+
+    def pinned_on(self, replica_id: str) -> int:
+        return self._pins.counts().get(replica_id, 0)
 
     # ---- turns ----------------------------------------------------------------------------
     def route(self, session_id: str | None, user: str | None, prompt_tokens: int, now: float, *, owned: bool = True,
@@ -158,16 +149,17 @@ class DirectoryState:
             # a conversation belongs to the user who opened it; to anyone else it does not exist
             self.totals["foreign_session_refused"] += 1
             raise ForeignConversation(session_id)
-        pin = self._pins.get(session_id) if session_id else None
+        pin = self._pins.get(session_id)
         if self._born is None:
             self._born = now
         if pin is None and claim is Claim.OWNED and now - self._born < s.rebuild_grace_s:
             self.totals["rebuild_wait_refused"] += 1
             raise PinsRebuilding(session_id)
+        decoders = self.live("decode", now)  # once per turn: placement, the pools' queueing and in flight
         plan = plan_turn(
             s.policy,
             pinned=pin.decoder if pin else None,
-            decoders=self._away_from_cliff(self._decoder_loads(now), now, cliff_horizon_s if pin is None else None),
+            decoders=self._away_from_cliff(self._decoder_loads(decoders), now, cliff_horizon_s if pin is None else None),
             prompt_tokens=prompt_tokens,
             prefill_available=bool(self.live("prefill", now)) and s.policy in DISAGGREGATED,
             rr_counter=self._rr,
@@ -195,15 +187,14 @@ class DirectoryState:
             self._record(session_id, user, plan, now, prompt_tokens)
             self._changed(session_id, via)
             plan = replace(plan, turn_index=self._pins[session_id].turns - 1)
-        decoders = self.live("decode", now)
         return replace(plan, pool_queueing=bool(decoders) and all(r.num_waiting > 0 for r in decoders),
-                       pool_in_flight=self.pool_in_flight(now), cliff_eta_s=self.cliff_eta(plan.decode_replica, now),
+                       pool_in_flight=self.pool_in_flight(now, decoders), cliff_eta_s=self.cliff_eta(plan.decode_replica, now),
                        incarnation=self.changes.incarnation, pin_seq=self.changes.seq)
 
-    def pool_in_flight(self, now: float) -> int:
+    def pool_in_flight(self, now: float, live: list[ReplicaReport] | None = None) -> int:
         """Requests the live decoders reported serving, plus the turns placed on them since their
         reports (every turn has a decoder; a first turn's remote prefill is part of it)."""
-        live = self.live("decode", now)
+        live = self.live("decode", now) if live is None else live
         return sum(r.in_flight + self._unreported.get(r.replica_id, (0, 0))[0] for r in live)
 
     def _record(self, session_id: str, user: str | None, plan: TurnPlan, now: float, prompt_tokens: int) -> None:
@@ -211,11 +202,11 @@ class DirectoryState:
         if pin is None:
             if len(self._pins) >= self.settings.max_conversations:
                 self._evict_oldest()
-            self._pins[session_id] = Pin(plan.decode_replica, user, now, now, 1, int(plan.remote_prefill), prompt_tokens=prompt_tokens)
+            self._pins.put(session_id, Pin(plan.decode_replica, user, now, now, 1, int(plan.remote_prefill), prompt_tokens=prompt_tokens))
             self.totals["conversations"] += 1
             return
-        pin.prompt_tokens = prompt_tokens
-        pin.decoder = plan.decode_replica
+        self._pins.hold(session_id, prompt_tokens)
+        self._pins.move(session_id, plan.decode_replica)
         pin.last_seen = now
         pin.adopted = False
         pin.turns += 1
@@ -223,19 +214,20 @@ class DirectoryState:
 
     def served(self, session_id: str | None, replica_id: str, now: float) -> None:
         """The turn actually ran on `replica_id` (the router may have fallen back): follow it."""
-        pin = self._pins.get(session_id) if session_id else None
-        if pin is not None and pin.decoder != replica_id:
-            pin.decoder = replica_id
+        pin = self._pins.get(session_id)
+        if pin is None or not session_id:
+            return
+        if pin.decoder != replica_id:
+            self._pins.move(session_id, replica_id)
             self._changed(session_id)
             self.totals["pin_moved_by_fallback"] += 1
-        if pin is not None:
-            pin.last_seen = now
+        pin.last_seen = now
 
     def replica_failed(self, replica_id: str, now: float) -> int:
         """Stop placing on a replica that failed a request; its conversations are re-placed on
         their next turn. Returns how many pins it held."""
         self._failed[replica_id] = now
-        held = sum(1 for p in self._pins.values() if p.decoder == replica_id)
+        held = self._pins.counts().get(replica_id, 0)
         self.totals["replica_failures"] += 1
         return held
 
@@ -256,7 +248,7 @@ class DirectoryState:
         its pin dropped. False, changing nothing, when `user` does not own it (or nobody does)."""
         if not self._owners.forget(session_id, user):
             return False
-        self._pins.pop(session_id, None)
+        self._pins.pop(session_id)
         self._changed(session_id)
         self.totals["ended"] += 1
         return True
@@ -266,14 +258,14 @@ class DirectoryState:
         ttl = self.settings.conversation_ttl_s
         gone = [sid for sid, p in self._pins.items() if now - p.last_seen > ttl]
         for sid in gone:
-            del self._pins[sid]
+            self._pins.pop(sid)
             self._changed(sid)
         self.totals["expired"] += len(gone)
         return gone
 
     def _evict_oldest(self) -> None:
         oldest = min(self._pins, key=lambda s: self._pins[s].last_seen)
-        del self._pins[oldest]
+        self._pins.pop(oldest)
         self._changed(oldest)
         self.totals["evicted"] += 1
 
@@ -287,6 +279,7 @@ class DirectoryState:
         those report, as routed turns are); answer the changes since `after_seq`, the live decoders' loads, the weights."""
         for t in touches:
             if record_touch(self._pins.get(t.session_id), t, now):
+                self._pins.hold(t.session_id, t.prompt_tokens)
                 self._changed(t.session_id, via)
                 self.totals.update(("turns", "plan_pinned_at_ingress"))
                 count_unreported(self._unreported, self._replicas, t.decoder, t.prompt_tokens)
@@ -301,8 +294,8 @@ class DirectoryState:
         decoders = self.live("decode", now)
         self.totals["pin_syncs"] += 1
         return PinSync(self.changes.incarnation, self.changes.seq, updates, reset, tuple(sorted(r.replica_id for r in decoders)),
-                       pool_queueing=bool(decoders) and all(r.num_waiting > 0 for r in decoders), pool_in_flight=self.pool_in_flight(now),
-                       decoder_loads=tuple(self._decoder_loads(now)), weights=self.settings.weights)
+                       pool_queueing=bool(decoders) and all(r.num_waiting > 0 for r in decoders), pool_in_flight=self.pool_in_flight(now, decoders),
+                       decoder_loads=tuple(self._decoder_loads(decoders)), weights=self.settings.weights)
 
     def pin_of(self, session_id: str) -> Pin | None:
         p = self._pins.get(session_id)
@@ -310,7 +303,7 @@ class DirectoryState:
 
     # ---- reporting --------------------------------------------------------------------------
     def snapshot(self, now: float) -> dict[str, Any]:
-        pinned = self.pinned_counts()
+        pinned = self._pins.counts()
         convs = [p for p in self._pins.values()]
         handoffs = sum(p.handoffs for p in convs)
         replicas = {
@@ -328,6 +321,7 @@ class DirectoryState:
         }
 
     def check_integrity(self) -> None:
+        self._pins.check_integrity()
         for sid, p in self._pins.items():
             if p.last_seen < p.created or p.turns < 1 or p.handoffs < 0 or not sid:
                 raise AssertionError(f"bad pin {sid!r}: {p}")

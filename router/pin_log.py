@@ -53,7 +53,6 @@ def record_touch(pin: Pin | None, t: Touch, now: float) -> bool:
     if pin is None or pin.decoder != t.decoder or pin.user != t.user:
         return False
     pin.last_seen = max(pin.last_seen, now - t.age_s)
-    pin.prompt_tokens = t.prompt_tokens
-    pin.adopted = False
+    pin.adopted = False  # its prompt tokens: the caller's PinTable.hold (they are summed per decoder)
     pin.turns += 1
     return True

@@ -13,7 +13,7 @@ from directory_fixtures import MakeState, make_state, rep
 
 from baton.engine.types import GenerationRequest, SamplingSpec
 from deployments.turn_placement import Placement
-from router.directory_loads import decoder_loads, prefill_loads
+from router.directory_loads import decoder_loads, pin_sums, prefill_loads
 from router.placement import choose_prefill, decoder_idle
 from router.policy import TurnPlan, needs_remote_prefill, place_new, plan_turn
 from router.scoring import LoadWeights, ReplicaLoad, kv_fits
@@ -110,7 +110,7 @@ class P:
 
 def test_decoder_loads_hold_pinned_contexts_up_to_what_is_resident() -> None:
     reports = [rep("d0", "decode", kv=0.1, kv_resident=0.3), rep("d1", "decode", kv=0.1)]
-    loads = decoder_loads(reports, {"d0": (1, 1000)}, [P("d0", 4000), P("d0", 1000), P("d1", 2000)])
+    loads = decoder_loads(reports, {"d0": (1, 1000)}, *pin_sums([P("d0", 4000), P("d0", 1000), P("d1", 2000)]))
     by = {x.replica_id: x for x in loads}
     # d0: pins hold 5000/10000 but only 0.3 is resident; plus the 1000 unreported tokens
     assert by["d0"].kv_held == pytest.approx(0.3 + 0.1) and by["d0"].kv_usage == pytest.approx(0.2)
