@@ -21,6 +21,7 @@ BENCHMARKS = {
     "scale": "baton.bench.scale",  # fleet projection: the router's policies on simulated 8-512 GPU fleets (no engine)
     "control": "baton.bench.control",  # the control plane at 8-128 stand-in replicas: routing decisions/s, directory p99, memory
     "multinode": "baton.bench.multinode",  # a two-node Ray cluster: cross-node NIXL handoffs, a worker node killed under live turns
+    "directory": "baton.bench.directory",  # the conversation directory's own CPU per routing decision, by fleet size and live pins (no Ray)
 }
 
 

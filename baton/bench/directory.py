@@ -1,0 +1,169 @@
+"""`baton bench directory`: the conversation directory's own CPU per routing decision, without Ray.
+
+What it measures: router/directory_state.DirectoryState — the code one directory replica (or one
+shard) runs for every call — in this process, over a grid of fleet sizes (decode replicas that
+have reported) and live pins (conversations already placed). At each grid point it times, after
+building the state: `route` of a new conversation (the ownership claim in an in-memory SQLite
+store, placement over every live decoder, the pin recorded), `route` of a pinned conversation's
+next turn, and one ingress pin-cache `sync` carrying 16 touches. Each figure is the median of
+REPEATS timed batches (its spread, min-max, beside it), in microseconds per call; the ceiling is
+1e6 ÷ that: the decisions per second one directory replica can compute when the CPU is its own,
+before Ray Serve's transport (which bench control measures, with it).
+
+Why: the directory is the one serial role of the control plane (router/directory_shards.py), and
+its per-decision cost must not grow with the conversations it holds. Before pins were kept in a
+PinTable (router/pin_table.py) every placement counted every pin; `pins_growth` (a new
+conversation's cost at the most pins over the fewest, at the largest fleet) says whether a
+placement's cost still grows with the pins (1.0: it does not).
+
+RESULT: `route_new_us_at_<R>` and `route_pinned_us_at_<R>` at the largest fleet and most pins,
+`ceiling_new_per_s_at_<R>`, `pins_growth`, `replicas_growth` (new conversation, largest fleet
+over smallest, at the fewest pins)."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from router.directory_state import DirectorySettings, DirectoryState
+from router.pin_cache import Touch
+from router.report import ReplicaReport
+
+REPEATS = 7
+SYNC_TOUCHES = 16
+
+
+@dataclass(frozen=True)
+class Grid:
+    replicas: tuple[int, ...]
+    pins: tuple[int, ...]
+    calls: int  # timed calls per batch
+
+
+def grid(quick: bool) -> Grid:
+    if quick:
+        return Grid(replicas=(8, 128), pins=(1_000, 100_000), calls=200)
+    return Grid(replicas=(8, 32, 128, 512), pins=(1_000, 10_000, 100_000), calls=500)
+
+
+@dataclass(frozen=True)
+class Timed:
+    median_us: float
+    min_us: float
+    max_us: float
+
+
+@dataclass(frozen=True)
+class Point:
+    replicas: int
+    pins: int
+    route_new: Timed
+    route_pinned: Timed
+    sync: Timed
+
+
+def build_state(replicas: int, pins: int) -> DirectoryState:
+    """A colocated directory whose `replicas` decoders reported equal loads and that holds `pins` conversations."""
+    state = DirectoryState(DirectorySettings(policy="colocated", max_conversations=10 * pins + 1_000_000))
+    for i in range(replicas):
+        state.report(ReplicaReport(f"d{i}", "decode", kv_usage=0.1, kv_capacity_tokens=1_000_000), 0.0)
+    for i in range(pins):
+        state.route(f"held-{i}", "user", 100, 1.0)
+    return state
+
+
+def timed(batch: Callable[[int], None], calls: int) -> Timed:
+    """`batch(k)` makes `calls` calls (k: the batch's index, for fresh ids); REPEATS batches."""
+    per_call = []
+    for k in range(REPEATS):
+        t0 = time.perf_counter()
+        batch(k)
+        per_call.append((time.perf_counter() - t0) / calls * 1e6)
+    return Timed(statistics.median(per_call), min(per_call), max(per_call))
+
+
+def measure(replicas: int, pins: int, calls: int) -> Point:
+    state = build_state(replicas, pins)
+    now = 2.0
+
+    def new(k: int) -> None:
+        for i in range(calls):
+            state.route(f"new-{k}-{i}", "user", 100, now)
+
+    def pinned(k: int) -> None:
+        for i in range(calls):
+            state.route(f"held-{(k * calls + i) % pins}", "user", 120, now)
+
+    start = state.route("syncing", "user", 100, now, via="ingress")
+    seq = [start.pin_seq]
+
+    def sync(k: int) -> None:
+        for i in range(calls):
+            touches = [Touch(f"held-{(i * SYNC_TOUCHES + j) % pins}", "user", state.pin_of(f"held-{(i * SYNC_TOUCHES + j) % pins}").decoder,  # type: ignore[union-attr]
+                             130, 0.0) for j in range(SYNC_TOUCHES)]
+            reply = state.sync("ingress", start.incarnation, seq[0], touches, now)
+            seq[0] = reply.seq
+
+    point = Point(replicas, pins, timed(new, calls), timed(pinned, calls), timed(sync, calls))
+    state.check_integrity()
+    return point
+
+
+def result_line(points: list[Point]) -> str:
+    r_max, r_min = max(p.replicas for p in points), min(p.replicas for p in points)
+    p_max, p_min = max(p.pins for p in points), min(p.pins for p in points)
+    at = {(p.replicas, p.pins): p for p in points}
+    big, few, small = at[(r_max, p_max)], at[(r_max, p_min)], at[(r_min, p_min)]
+    return (f"RESULT route_new_us_at_{r_max}={big.route_new.median_us:.1f} route_pinned_us_at_{r_max}={big.route_pinned.median_us:.1f} "
+            f"ceiling_new_per_s_at_{r_max}={1e6 / big.route_new.median_us:.0f} "
+            f"pins_growth={big.route_new.median_us / few.route_new.median_us:.3f} "
+            f"replicas_growth={few.route_new.median_us / small.route_new.median_us:.3f}")
+
+
+def _plot(points: list[Point], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for pins in sorted({p.pins for p in points}):
+        row = sorted((p for p in points if p.pins == pins), key=lambda p: p.replicas)
+        xs = [p.replicas for p in row]
+        ax.errorbar(xs, [p.route_new.median_us for p in row], yerr=[[p.route_new.median_us - p.route_new.min_us for p in row],
+                    [p.route_new.max_us - p.route_new.median_us for p in row]], marker="o", capsize=3, label=f"new, {pins} pins")
+        ax.plot(xs, [p.route_pinned.median_us for p in row], marker="x", linestyle="--", label=f"pinned, {pins} pins")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("decode replicas reporting")
+    ax.set_ylabel("µs per route call (median of batches)")
+    ax.set_title("conversation directory: CPU per routing decision")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    g = grid(quick)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"[directory] replicas {g.replicas} x pins {g.pins}, {REPEATS} batches of {g.calls} calls each, in this process")
+    points = []
+    for replicas in g.replicas:
+        for pins in g.pins:
+            p = measure(replicas, pins, g.calls)
+            points.append(p)
+            print(f"[directory] {replicas:>4} replicas {pins:>7} pins: route new {p.route_new.median_us:7.1f} us "
+                  f"({p.route_new.min_us:.1f}-{p.route_new.max_us:.1f}), pinned {p.route_pinned.median_us:7.1f} us, "
+                  f"sync of {SYNC_TOUCHES} touches {p.sync.median_us:7.1f} us; ceiling {1e6 / p.route_new.median_us:8.0f} new/s", flush=True)
+    line = result_line(points)
+    report = {"quick": quick, "grid": asdict(g), "repeats": REPEATS, "sync_touches": SYNC_TOUCHES,
+              "points": [asdict(p) for p in points], "result": line}
+    (out_dir / "directory.json").write_text(json.dumps(report, indent=2))
+    _plot(points, out_dir / "directory.png")
+    print(f"[directory] wrote {out_dir / 'directory.json'} and {out_dir / 'directory.png'}")
+    print(line)
+    return report

@@ -1,0 +1,45 @@
+"""`baton bench directory` on a tiny grid: every point timed, the state sound after it, the JSON,
+the plot and the RESULT line written from the points."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from baton.bench import directory
+
+
+def test_a_tiny_grid_runs_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(directory, "grid", lambda quick: directory.Grid(replicas=(2, 4), pins=(20, 60), calls=5))
+    monkeypatch.setattr(directory, "REPEATS", 3)
+    report = directory.run(True, tmp_path)
+    saved = json.loads((tmp_path / "directory.json").read_text())
+    assert (tmp_path / "directory.png").exists() and saved["result"] == report["result"]
+    assert [(p["replicas"], p["pins"]) for p in saved["points"]] == [(2, 20), (2, 60), (4, 20), (4, 60)]
+    for p in saved["points"]:
+        for what in ("route_new", "route_pinned", "sync"):
+            t = p[what]
+            assert 0 < t["min_us"] <= t["median_us"] <= t["max_us"]
+    fields = dict(kv.split("=") for kv in report["result"].split()[1:])
+    assert set(fields) == {"route_new_us_at_4", "route_pinned_us_at_4", "ceiling_new_per_s_at_4", "pins_growth", "replicas_growth"}
+    assert all(math.isfinite(float(v)) and float(v) > 0 for v in fields.values())
+    assert capsys.readouterr().out.strip().endswith(report["result"])
+
+
+def test_the_growth_figures_are_the_ratios_of_the_named_points() -> None:
+    def pt(r: int, pins: int, us: float) -> directory.Point:
+        t = directory.Timed(us, us, us)
+        return directory.Point(r, pins, t, t, t)
+
+    line = directory.result_line([pt(8, 10, 50.0), pt(8, 1000, 55.0), pt(128, 10, 400.0), pt(128, 1000, 1200.0)])
+    fields = dict(kv.split("=") for kv in line.split()[1:])
+    assert fields == {"route_new_us_at_128": "1200.0", "route_pinned_us_at_128": "1200.0", "ceiling_new_per_s_at_128": "833",
+                      "pins_growth": "3.000", "replicas_growth": "8.000"}
+
+
+def test_the_state_it_times_holds_the_pins_and_replicas_asked() -> None:
+    state = directory.build_state(3, 25)
+    assert state.snapshot(2.0)["live_pins"] == 25 and len(state.live("decode", 2.0)) == 3
+    state.check_integrity()
