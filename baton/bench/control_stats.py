@@ -214,7 +214,7 @@ def directory_ceiling(point: PointStats | None, variant: Variant) -> float | Non
     if point is None:
         return None
     ms = point.cpu_ms_per_turn.get("directory", math.nan)
-    if math.isnan(ms) or ms <= 0 or math.isinf(ms):
+    if not 0 < ms < math.inf:  # nan fails it too
         return None
     return variant.directory_shards * 1000.0 / ms
 
