@@ -20,9 +20,13 @@ baton_throughput_optimized: the same under Ray Serve's throughput-optimized mode
 prepare: in this process, the ingress's prompt preparation per turn of the bundled agentic
         conversations replayed three times over (baton/bench/prompt_prefix.py): whole vs
         incremental tokenization (deployments/token_prefix.py), the same ids required.
-All HTTP phases get the same warm-up requests first, then two passes over the same prompts in the same
+All HTTP phases get the same warm-up requests first, then three passes over the same prompts in the same
 order: at the closed-loop concurrency (the RESULT's ratios), then one at a time (concurrency 1:
-the per-request overhead alone; the prompts C1_PASSES times over, for enough samples). The concurrency-1 pass comes second so that every one of its
+the per-request overhead alone; the prompts C1_PASSES times over, for enough samples), then an
+open loop over the same C1_PASSES × prompts (baton/bench/open_loop.py: seeded Poisson arrivals at
+a rate set from the bare engine's c1 service time, the same arrival times in every phase, TTFT
+from each arrival): the `_open` ratios, the overhead under load without the closed loop's
+batching artefact (the bare loop, its own client, adds a finished wave's replacements together). The concurrency-1 pass comes second so that every one of its
 requests meets the same cache state in both phases (its prompts' prefixes already cached), and
 its median is over all the prompts, not a cold/warm mix. Every Baton request's Server-Timing header gives its hops (deployments/hop_timing.py);
 `outside` = the client's TTFT minus the server's `total` (the HTTP proxy both ways and the
@@ -40,6 +44,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from baton.bench.open_loop import OPEN_LOOP_SEED, bare_open_loop, http_open_loop, offered_rate, poisson_arrivals, stream_completion
+from baton.bench.overhead_result import overhead_ratios, result_line
 from baton.bench.serve_modes import direct_ingress_env, direct_ingress_port, throughput_optimized_env
 from baton.bench.stats import PhaseSummary, RequestTiming, quantile, summarize_phase
 from baton.paths import REPO_ROOT, SAMPLE_TRACES
@@ -94,8 +100,13 @@ def _bare_phase(model_path: str, prompts: list[list[int]], max_tokens: int, conc
             engine.step()
     timings, wall = _bare_loop(engine, params, prompts, max_tokens, concurrency, "r")
     single = _bare_loop(engine, params, prompts * C1_PASSES, max_tokens, 1, "s")
-    out.put({"summary": asdict(summarize_phase("bare_vllm", timings, wall)), "single": asdict(summarize_phase("bare_vllm_c1", *single)),
-             "start_s": start_s, "rss_bytes": _rss()})
+    single_summary = summarize_phase("bare_vllm_c1", *single)
+    rate = offered_rate(single_summary.e2e_p50_s)
+    arrivals = poisson_arrivals(len(prompts) * C1_PASSES, rate)
+    opened = bare_open_loop(engine, params, prompts * C1_PASSES, arrivals, max_tokens)
+    out.put({"summary": asdict(summarize_phase("bare_vllm", timings, wall)), "single": asdict(single_summary),
+             "open": asdict(summarize_phase("bare_vllm_open", *opened)), "open_ttft_s": [t.ttft_s for t in opened[0]],
+             "open_rate_per_s": rate, "arrivals": arrivals, "start_s": start_s, "rss_bytes": _rss()})
 
 
 def _bare_loop(engine: Any, params: Any, prompts: list[list[int]], max_tokens: int, concurrency: int, tag: str) -> tuple[list[RequestTiming], float]:
@@ -120,7 +131,7 @@ def _bare_loop(engine: Any, params: Any, prompts: list[list[int]], max_tokens: i
 
 
 def _baton_phase(model_path: str, prompts: list[list[int]], max_tokens: int, concurrency: int, warmup: list[list[int]],
-                 direct: bool = False, throughput_optimized: bool = False) -> dict[str, Any]:
+                 arrivals: list[float], direct: bool = False, throughput_optimized: bool = False) -> dict[str, Any]:
     """Baton through Serve's HTTP proxy; `direct`: under direct ingress; `throughput_optimized`:
     under Serve's throughput-optimized mode (direct ingress included). baton/bench/serve_modes.py."""
     import httpx
@@ -146,10 +157,12 @@ def _baton_phase(model_path: str, prompts: list[list[int]], max_tokens: int, con
         asyncio.run(_http_closed_loop(url, warmup, max_tokens, 1))
         timings, wall, hops = asyncio.run(_http_closed_loop(url, prompts, max_tokens, concurrency))
         single_t, single_wall, single_hops = asyncio.run(_http_closed_loop(url, prompts * C1_PASSES, max_tokens, 1))
+        open_t, open_wall, open_hops = asyncio.run(http_open_loop(url, prompts * C1_PASSES, arrivals, max_tokens))
     name = "baton_throughput_optimized" if throughput_optimized else "baton_direct" if direct else "baton"
     return {"summary": asdict(summarize_phase(name, timings, wall)), "single": asdict(summarize_phase(f"{name}_c1", single_t, single_wall)),
-            "hops": hop_breakdown(hops), "hops_single": hop_breakdown(single_hops), "start_s": app.start_seconds,
-            "rss_bytes": rss[0] if rss else 0}
+            "open": asdict(summarize_phase(f"{name}_open", open_t, open_wall)), "open_ttft_s": [t.ttft_s for t in open_t],
+            "hops": hop_breakdown(hops), "hops_single": hop_breakdown(single_hops), "hops_open": hop_breakdown(open_hops),
+            "start_s": app.start_seconds, "rss_bytes": rss[0] if rss else 0}
 
 
 def vllm_serve_argv(spec: Any, port: int) -> list[str]:
@@ -167,7 +180,7 @@ def vllm_serve_argv(spec: Any, port: int) -> list[str]:
 
 
 def _vllm_serve_phase(model_path: str, prompts: list[list[int]], max_tokens: int, concurrency: int, warmup: list[list[int]],
-                      log_path: Path, port: int = 28100, start_timeout_s: float = 600) -> dict[str, Any]:
+                      arrivals: list[float], log_path: Path, port: int = 28100, start_timeout_s: float = 600) -> dict[str, Any]:
     """vLLM's own server, started as a process group and stopped with it; the same passes."""
     import signal
     import subprocess
@@ -204,10 +217,11 @@ def _vllm_serve_phase(model_path: str, prompts: list[list[int]], max_tokens: int
         asyncio.run(_http_closed_loop(url, warmup, max_tokens, 1))
         timings, wall, _ = asyncio.run(_http_closed_loop(url, prompts, max_tokens, concurrency))
         single_t, single_wall, _ = asyncio.run(_http_closed_loop(url, prompts * C1_PASSES, max_tokens, 1))
+        open_t, open_wall, _ = asyncio.run(http_open_loop(url, prompts * C1_PASSES, arrivals, max_tokens))
     finally:
         _stop_group(proc, signal)
     return {"summary": asdict(summarize_phase("vllm_serve", timings, wall)), "single": asdict(summarize_phase("vllm_serve_c1", single_t, single_wall)),
-            "start_s": start_s}
+            "open": asdict(summarize_phase("vllm_serve_open", open_t, open_wall)), "open_ttft_s": [t.ttft_s for t in open_t], "start_s": start_s}
 
 
 def _stop_group(proc: Any, signal: Any) -> None:
@@ -225,7 +239,10 @@ def _stop_group(proc: Any, signal: Any) -> None:
 
 
 def hop_breakdown(rows: list[dict[str, float]]) -> dict[str, float]:
-    """Median seconds per hop over the requests that reported it (HOPS order, then `outside`)."""
+    """Median seconds per hop over the requests that reported it (HOPS order, then `outside`, then
+    `own`: the client's TTFT minus the engine hop, per request, i.e. everything Baton and HTTP add
+    to the engine's own time; unlike a ratio of two phases it does not move with the host's speed
+    between phases, which drifts by up to ~10 % over minutes on this shared machine)."""
     from deployments.hop_timing import HOPS
 
     out = {}
@@ -233,6 +250,9 @@ def hop_breakdown(rows: list[dict[str, float]]) -> dict[str, float]:
         values = [r[name] for r in rows if name in r]
         if values:
             out[name] = quantile(values, 0.5)
+    own = [r["total"] - r["engine"] + r["outside"] for r in rows if {"total", "engine", "outside"} <= r.keys()]
+    if own:
+        out["own"] = quantile(own, 0.5)
     return out
 
 
@@ -241,29 +261,13 @@ async def _http_closed_loop(url: str, prompts: list[list[int]], max_tokens: int,
     """Closed loop over HTTP; per request its timing and its hops (Server-Timing + `outside`)."""
     import httpx
 
-    from deployments.hop_timing import parse_server_timing
-
-    async def one(http: httpx.AsyncClient, ids: list[int]) -> tuple[RequestTiming, dict[str, float]]:
-        body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-        t = time.monotonic()
-        ttft = None
-        async with http.stream("POST", url, json=body) as r:
-            r.raise_for_status()
-            hops = parse_server_timing(r.headers.get("server-timing", ""))
-            async for line in r.aiter_lines():
-                if ttft is None and line.startswith("data: {") and '"text":""' not in line:
-                    ttft = time.monotonic() - t
-        if ttft is not None and "total" in hops:
-            hops["outside"] = ttft - hops["total"]
-        return RequestTiming(ttft if ttft is not None else float("nan"), time.monotonic() - t, max_tokens), hops
-
     queue = list(prompts)
     timings: list[RequestTiming] = []
     hops: list[dict[str, float]] = []
 
     async def worker(http: httpx.AsyncClient) -> None:
         while queue:
-            timing, h = await one(http, queue.pop(0))
+            timing, h = await stream_completion(http, url, queue.pop(0), max_tokens, started=time.monotonic())
             timings.append(timing)
             hops.append(h)
 
@@ -305,76 +309,53 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
           f"incremental {prepare['incremental_ms_p50']:.2f} over {prepare['turns']} turns up to {prepare['max_prompt_tokens']} tokens")
     bare = _in_child(_bare_phase, model_path, prompts, max_tokens, concurrency, warmup)
     print(f"[overhead] bare vLLM : {bare['summary']}")
-    served = _vllm_serve_phase(model_path, prompts, max_tokens, concurrency, warmup, out_dir / "vllm-serve.log")
+    arrivals = bare["arrivals"]
+    print(f"[overhead] open loop: {len(arrivals)} requests at {bare['open_rate_per_s']:.2f}/s (Poisson, seed {OPEN_LOOP_SEED}); "
+          f"bare TTFT p50 {bare['open']['ttft_p50_s']:.3f} s, p95 {bare['open']['ttft_p95_s']:.3f} s")
+    served = _vllm_serve_phase(model_path, prompts, max_tokens, concurrency, warmup, arrivals, out_dir / "vllm-serve.log")
     print(f"[overhead] vllm serve: {served['summary']}")
-    baton = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup)
+    baton = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup, arrivals)
     print(f"[overhead] Baton     : {baton['summary']}")
     print(f"[overhead] Baton hops at concurrency 1 (median s): {baton['hops_single']}")
     print(f"[overhead] Baton hops at concurrency {concurrency} (median s): {baton['hops']}")
-    direct = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup, direct=True)
+    direct = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup, arrivals, direct=True)
     print(f"[overhead] Baton, direct ingress: {direct['summary']}")
     print(f"[overhead] Baton, direct ingress, hops at concurrency 1 (median s): {direct['hops_single']}")
-    fast = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup, throughput_optimized=True)
+    fast = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup, arrivals, throughput_optimized=True)
     print(f"[overhead] Baton, throughput-optimized Serve: {fast['summary']}")
     print(f"[overhead] Baton, throughput-optimized Serve, hops at concurrency 1 (median s): {fast['hops_single']}")
-    b, s = bare["summary"], baton["summary"]
-    ratios = {
-        "ttft_p50_ratio_c1": baton["single"]["ttft_p50_s"] / bare["single"]["ttft_p50_s"],
-        "ttft_p50_ratio": s["ttft_p50_s"] / b["ttft_p50_s"],
-        "ttft_p95_ratio": s["ttft_p95_s"] / b["ttft_p95_s"],
-        "e2e_p50_ratio": s["e2e_p50_s"] / b["e2e_p50_s"],
-        "throughput_ratio": s["output_tok_per_s"] / b["output_tok_per_s"],
-        # against vLLM's own server (same engine arguments, same HTTP client)
-        "ttft_p50_ratio_vs_vllm_serve": s["ttft_p50_s"] / served["summary"]["ttft_p50_s"],
-        "ttft_p50_ratio_c1_vs_vllm_serve": baton["single"]["ttft_p50_s"] / served["single"]["ttft_p50_s"],
-        "throughput_ratio_vs_vllm_serve": s["output_tok_per_s"] / served["summary"]["output_tok_per_s"],
-        # Serve's direct ingress (no HTTP proxy in the request's path)
-        "ttft_p50_ratio_direct_ingress": direct["summary"]["ttft_p50_s"] / b["ttft_p50_s"],
-        "ttft_p50_ratio_c1_direct_ingress": direct["single"]["ttft_p50_s"] / bare["single"]["ttft_p50_s"],
-        # Serve's throughput-optimized mode (gRPC handle calls, one event loop, direct ingress)
-        "ttft_p50_ratio_throughput_optimized": fast["summary"]["ttft_p50_s"] / b["ttft_p50_s"],
-        "ttft_p50_ratio_c1_throughput_optimized": fast["single"]["ttft_p50_s"] / bare["single"]["ttft_p50_s"],
-        "throughput_ratio_throughput_optimized": fast["summary"]["output_tok_per_s"] / b["output_tok_per_s"],
-        "chat_prepare_ms_ratio_incremental": prepare["ratio_p50"],
-    }
-    report = {"quick": quick, "requests": n, "max_tokens": max_tokens, "concurrency": concurrency, "bare": bare, "vllm_serve": served,
+    print(f"[overhead] Baton, throughput-optimized Serve, hops in the open loop (median s): {fast['hops_open']}")
+    for label, phase in (("bare vLLM", bare), ("vllm serve", served), ("Baton", baton), ("Baton direct", direct), ("Baton tput-opt", fast)):
+        print(f"[overhead] open loop {label:>15}: TTFT p50 {phase['open']['ttft_p50_s']:.3f} s, p95 {phase['open']['ttft_p95_s']:.3f} s")
+    ratios = overhead_ratios(bare, served, baton, direct, fast, prepare)
+    report = {"quick": quick, "requests": n, "max_tokens": max_tokens, "concurrency": concurrency,
+              "open_loop": {"requests": len(arrivals), "rate_per_s": bare["open_rate_per_s"], "seed": OPEN_LOOP_SEED}, "bare": bare, "vllm_serve": served,
               "baton": baton, "baton_direct": direct, "baton_throughput_optimized": fast, "ratios": ratios, "c1_passes": C1_PASSES,
               "prepare": prepare}
     (out_dir / "overhead.json").write_text(json.dumps(report, indent=2))
-    _plot([("bare vLLM", PhaseSummary(**b)), ("vllm serve", PhaseSummary(**served["summary"])), ("Baton", PhaseSummary(**s)),
-           ("Baton direct", PhaseSummary(**direct["summary"])), ("Baton tput-opt", PhaseSummary(**fast["summary"]))],
+    _plot([(label, PhaseSummary(**phase["summary"]), PhaseSummary(**phase["open"]))
+           for label, phase in (("bare vLLM", bare), ("vllm serve", served), ("Baton", baton), ("Baton direct", direct), ("Baton tput-opt", fast))],
           out_dir / "overhead.png")
     print(json.dumps(report, indent=2))
     print(f"[overhead] wrote {out_dir / 'overhead.json'} and {out_dir / 'overhead.png'}")
-    print(
-        f"RESULT ttft_p50_ratio={ratios['ttft_p50_ratio']:.3f} ttft_p50_ratio_c1={ratios['ttft_p50_ratio_c1']:.3f} e2e_p50_ratio={ratios['e2e_p50_ratio']:.3f} "
-        f"throughput_ratio={ratios['throughput_ratio']:.3f} ttft_p50_ratio_vs_vllm_serve={ratios['ttft_p50_ratio_vs_vllm_serve']:.3f} "
-        f"ttft_p50_ratio_c1_vs_vllm_serve={ratios['ttft_p50_ratio_c1_vs_vllm_serve']:.3f} "
-        f"throughput_ratio_vs_vllm_serve={ratios['throughput_ratio_vs_vllm_serve']:.3f} "
-        f"ttft_p50_ratio_direct_ingress={ratios['ttft_p50_ratio_direct_ingress']:.3f} "
-        f"ttft_p50_ratio_c1_direct_ingress={ratios['ttft_p50_ratio_c1_direct_ingress']:.3f} "
-        f"ttft_p50_ratio_throughput_optimized={ratios['ttft_p50_ratio_throughput_optimized']:.3f} "
-        f"ttft_p50_ratio_c1_throughput_optimized={ratios['ttft_p50_ratio_c1_throughput_optimized']:.3f} "
-        f"throughput_ratio_throughput_optimized={ratios['throughput_ratio_throughput_optimized']:.3f} "
-        f"chat_prepare_ms_p50={prepare['whole_ms_p50']:.2f}/{prepare['incremental_ms_p50']:.2f} "
-        f"chat_prepare_ms_ratio_incremental={ratios['chat_prepare_ms_ratio_incremental']:.3f} baton_start_s={baton['start_s']:.1f} "
-        f"replica_rss_gib={baton['rss_bytes'] / (1 << 30):.2f}"
-    )
+    print(result_line(ratios, bare, baton, fast, prepare))
     return report
 
 
-def _plot(phases: list[tuple[str, PhaseSummary]], path: Path) -> None:
+def _plot(phases: list[tuple[str, PhaseSummary, PhaseSummary]], path: Path) -> None:
+    """Per phase: closed-loop TTFT p50/p95, E2E p50, tokens/s, and the open loop's TTFT p50/p95."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
-    names = [name for name, _ in phases]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.5))
+    names = [name for name, _, _ in phases]
     for ax, title, vals in (
-        (axes[0], "TTFT p50 / p95 (s)", [(p.ttft_p50_s, p.ttft_p95_s) for _, p in phases]),
-        (axes[1], "E2E p50 (s)", [(p.e2e_p50_s,) for _, p in phases]),
-        (axes[2], "output tokens/s", [(p.output_tok_per_s,) for _, p in phases]),
+        (axes[0], "closed loop TTFT p50 / p95 (s)", [(p.ttft_p50_s, p.ttft_p95_s) for _, p, _ in phases]),
+        (axes[1], "closed loop E2E p50 (s)", [(p.e2e_p50_s,) for _, p, _ in phases]),
+        (axes[2], "closed loop output tokens/s", [(p.output_tok_per_s,) for _, p, _ in phases]),
+        (axes[3], "open loop TTFT p50 / p95 (s)", [(o.ttft_p50_s, o.ttft_p95_s) for _, _, o in phases]),
     ):
         width = 0.8 / len(vals[0])
         for k in range(len(vals[0])):

@@ -2,6 +2,8 @@
 as flags vLLM's own server parser accepts (no engine is built)."""
 from __future__ import annotations
 
+import pytest
+
 from baton.bench.overhead import _engine_config, vllm_serve_argv
 from baton.engine.args import build_engine_spec
 
@@ -24,3 +26,57 @@ def test_vllm_serve_gets_the_same_engine_arguments(tmp_path) -> None:
     for field in ("max_model_len", "dtype", "enforce_eager", "enable_prefix_caching", "max_num_seqs", "seed", "kv_cache_memory_bytes"):
         assert getattr(args, field) == kw[field], field
     assert ns.port == 28100
+
+
+def test_hop_breakdown_medians_and_own_time():
+    from baton.bench.overhead import hop_breakdown
+
+    rows = [{"total": 0.100, "engine": 0.080, "outside": 0.005, "parse": 0.001},
+            {"total": 0.110, "engine": 0.085, "outside": 0.004},
+            {"total": 0.130, "engine": 0.090, "outside": 0.006},
+            {"parse": 0.002}]  # a request without the engine hop counts for parse only
+    out = hop_breakdown(rows)
+    assert out["parse"] == pytest.approx(0.0015)
+    assert out["engine"] == pytest.approx(0.085)
+    # own = TTFT − engine = total − engine + outside per request: 0.025, 0.029, 0.046 → median 0.029
+    assert out["own"] == pytest.approx(0.029)
+    assert "own" not in hop_breakdown([{"parse": 0.001}])
+
+
+def _phase(c1: float, closed: float, open_p50: float, open_p95: float, own: float | None = None) -> dict:
+    def summary(p50: float, p95: float) -> dict:
+        return {"name": "x", "requests": 12, "wall_s": 10.0, "ttft_p50_s": p50, "ttft_p95_s": p95, "e2e_p50_s": 2 * p50,
+                "output_tok_per_s": 1 / p50}
+    phase = {"summary": summary(closed, 4.0), "single": summary(c1, c1), "open": summary(open_p50, open_p95),
+             "open_rate_per_s": 0.36, "start_s": 25.0, "rss_bytes": 1 << 30}
+    if own is not None:
+        phase["hops_single"] = {"own": own}
+    return phase
+
+
+def test_ratios_and_result_line_from_phase_reports():
+    from baton.bench.overhead_result import overhead_ratios, result_line
+
+    bare = _phase(c1=0.080, closed=0.160, open_p50=0.100, open_p95=0.150)
+    served = _phase(c1=0.090, closed=0.400, open_p50=0.110, open_p95=0.170)
+    baton = _phase(c1=0.104, closed=0.380, open_p50=0.130, open_p95=0.210, own=0.024)
+    direct = _phase(c1=0.096, closed=0.390, open_p50=0.120, open_p95=0.180, own=0.016)
+    fast = _phase(c1=0.092, closed=0.400, open_p50=0.108, open_p95=0.165, own=0.012)
+    prepare = {"ratio_p50": 0.1, "whole_ms_p50": 5.0, "incremental_ms_p50": 0.5}
+    r = overhead_ratios(bare, served, baton, direct, fast, prepare)
+    assert r["ttft_p50_ratio"] == pytest.approx(0.380 / 0.160)  # the closed loop at concurrency > 1
+    assert r["ttft_p50_ratio_c1"] == pytest.approx(1.3)
+    assert r["ttft_p50_ratio_open"] == pytest.approx(1.3)
+    assert r["ttft_p95_ratio_open"] == pytest.approx(1.4)
+    assert r["ttft_p50_ratio_open_vllm_serve"] == pytest.approx(1.1)
+    assert r["ttft_p50_ratio_open_vs_vllm_serve"] == pytest.approx(0.130 / 0.110)
+    assert r["ttft_p50_ratio_open_throughput_optimized"] == pytest.approx(1.08)
+    assert r["ttft_p50_ratio_c1_engine_normalized"] == pytest.approx((0.080 + 0.024) / 0.080)
+    assert r["ttft_p50_ratio_c1_engine_normalized_throughput_optimized"] == pytest.approx(1.15)
+    line = result_line(r, bare, baton, fast, prepare)
+    fields = dict(f.split("=", 1) for f in line.removeprefix("RESULT ").split())
+    assert line.startswith("RESULT ") and len(fields) == len(line.split()) - 1  # every field is key=value, no repeats
+    assert fields["ttft_p50_ratio_open_throughput_optimized"] == "1.080"
+    assert fields["own_ms_c1_throughput_optimized"] == "12.0"
+    assert fields["open_loop_rate_per_s"] == "0.36"
+    assert fields["ttft_p50_ratio_c1_engine_normalized_throughput_optimized"] == "1.150"
