@@ -67,13 +67,19 @@ def bare_open_loop(engine: Any, params: Any, prompts: list[list[int]], arrivals:
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, t0 + arrivals[nxt] - time.monotonic()))
             continue
-        for o in engine.step():
-            now = time.monotonic()
-            if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
-                first[o.request_id] = now
-            if o.finished:
-                timings.append(RequestTiming(first[o.request_id] - due[o.request_id], now - due[o.request_id], max_tokens))
+        record_step(engine.step(), due, first, timings, max_tokens)
     return timings, time.monotonic() - t0
+
+
+def record_step(outputs: Any, since: dict[str, float], first: dict[str, float], timings: list[RequestTiming], max_tokens: int) -> None:
+    """One engine step's outputs into the loop's books: a request's first token time (`first`), and
+    its timing from `since[request id]` once it finished."""
+    for o in outputs:
+        now = time.monotonic()
+        if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
+            first[o.request_id] = now
+        if o.finished:
+            timings.append(RequestTiming(first[o.request_id] - since[o.request_id], now - since[o.request_id], max_tokens))
 
 
 async def stream_completion(http: Any, url: str, ids: list[int], max_tokens: int, started: float) -> tuple[RequestTiming, dict[str, float]]:

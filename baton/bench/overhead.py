@@ -44,7 +44,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from baton.bench.open_loop import OPEN_LOOP_SEED, bare_open_loop, http_open_loop, offered_rate, poisson_arrivals, stream_completion
+from baton.bench.open_loop import OPEN_LOOP_SEED, bare_open_loop, http_open_loop, offered_rate, poisson_arrivals, record_step, stream_completion
 from baton.bench.overhead_result import overhead_ratios, result_line
 from baton.bench.serve_modes import direct_ingress_env, direct_ingress_port, throughput_optimized_env
 from baton.bench.stats import PhaseSummary, RequestTiming, quantile, summarize_phase
@@ -121,12 +121,7 @@ def _bare_loop(engine: Any, params: Any, prompts: list[list[int]], max_tokens: i
             engine.add_request(rid, {"prompt_token_ids": prompts[nxt]}, params)
             sent[rid] = time.monotonic()
             nxt += 1
-        for o in engine.step():
-            now = time.monotonic()
-            if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
-                first[o.request_id] = now
-            if o.finished:
-                timings.append(RequestTiming(first[o.request_id] - sent[o.request_id], now - sent[o.request_id], max_tokens))
+        record_step(engine.step(), sent, first, timings, max_tokens)
     return timings, time.monotonic() - t_start
 
 

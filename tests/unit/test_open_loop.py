@@ -121,3 +121,17 @@ def test_http_open_loop_raises_on_a_failed_request(monkeypatch):
     monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real_client(transport=httpx.MockTransport(_sse_app(0.0, fail=True))))
     with pytest.raises(httpx.HTTPStatusError):
         asyncio.run(open_loop.http_open_loop("http://x/v1/completions", [[1]], [0.0], max_tokens=1))
+
+
+def test_closed_loop_keeps_concurrency_and_times_from_each_add():
+    from baton.bench.overhead import _bare_loop
+
+    engine = _FakeEngine()
+    timings, wall = _bare_loop(engine, None, [[1]] * 5, max_tokens=2, concurrency=2, tag="c")
+    assert len(timings) == 5 and set(engine.added) == {f"c{i}" for i in range(5)}
+    # two at a time: each request's first token one step after it was added, done the next
+    assert all(_FakeEngine.STEP_S - 1e-3 <= t.ttft_s < t.e2e_s for t in timings)
+    assert all(t.e2e_s >= 2 * _FakeEngine.STEP_S - 1e-3 for t in timings)
+    assert wall >= 6 * _FakeEngine.STEP_S - 1e-3  # 5 requests, 2 at a time, 2 steps each: 3 rounds
+    # timed from each add, not from the loop's start (the last one was added 4 steps in)
+    assert max(t.ttft_s for t in timings) < 0.5 * wall
