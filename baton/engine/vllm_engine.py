@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from baton.engine.args import EngineSpec, engine_dtype
-from baton.engine.cpu_cores import pin_threads, thread_ids
+from baton.engine.cpu_cores import is_poller, pin_threads, poller_cores, thread_ids, thread_name
 
 logger = logging.getLogger("baton.engine")
 
@@ -28,8 +28,10 @@ def engine_thread_affinity(spec: EngineSpec) -> Iterator[None]:
     """Around an engine build on this thread: on `spec.cores` when it names them (set before, so
     the threads the build starts inherit them, and set again after on this thread and every
     thread the build started: NIXL's CPU worker pins its caller to the machine's last core); else
-    this thread gets back the affinity it had, unless vLLM binds threads on purpose."""
-    cpus = tuple(spec.cores) or tuple(os.sched_getaffinity(0))
+    this thread gets back the affinity it had, unless vLLM binds threads on purpose. Threads that
+    only poll go to this thread's other cores instead (cpu_cores.poller_cores)."""
+    prior = tuple(sorted(os.sched_getaffinity(0)))
+    cpus = tuple(spec.cores) or prior
     before = thread_ids()
     if spec.cores:
         os.sched_setaffinity(0, cpus)
@@ -37,7 +39,12 @@ def engine_thread_affinity(spec: EngineSpec) -> Iterator[None]:
         yield
     finally:
         if spec.cores:
-            pin_threads({threading.get_native_id()} | (thread_ids() - before), cpus)
+            started = thread_ids() - before
+            pollers = {t for t in started if is_poller(thread_name(t))}
+            pin_threads({threading.get_native_id()} | (started - pollers), cpus)
+            moved = pin_threads(pollers, poller_cores(prior, cpus))
+            if moved:
+                logger.info("engine on cores %s; %d polling threads on %s", cpus, moved, poller_cores(prior, cpus))
         elif spec.env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind") == "nobind":
             os.sched_setaffinity(0, cpus)
 

@@ -12,7 +12,7 @@ import pytest
 
 from baton.engine.args import EngineSpec, build_engine_spec
 from baton.engine.config import EngineConfig
-from baton.engine.cpu_cores import CpuCores, claim_cores, core_slices
+from baton.engine.cpu_cores import CpuCores, claim_cores, core_slices, is_poller, poller_cores
 from baton.engine.vllm_engine import engine_thread_affinity
 from deployments.config import ConfigError, load_app_config
 
@@ -157,6 +157,52 @@ def test_the_build_thread_and_the_threads_it_starts_run_on_the_pool_cores() -> N
     t.start()
     t.join()
     assert seen == {"during": {core}, "after": {core}, "worker": {core}}
+
+
+def test_pollers_go_to_the_cores_the_engine_does_not_use() -> None:
+    assert poller_cores((0, 1, 2, 3), (1,)) == (0, 2, 3)
+    assert poller_cores((0, 1), (0, 1)) == (0, 1)  # the engine has every core: nowhere else to go
+    assert poller_cores((1,), (1,)) == (1,)
+    assert is_poller("gloo_tcp_loop") and not is_poller("ray::IDLE") and not is_poller("")
+
+
+def _named(name: str) -> None:
+    """Set the calling thread's kernel name (what /proc/self/task/<tid>/comm shows)."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to tell them apart")
+def test_a_polling_thread_the_build_starts_leaves_the_engine_cores() -> None:
+    mask = os.sched_getaffinity(0)
+    core = min(mask)
+    spec = spec_of(EngineConfig(model="m"), (core,))
+    seen: dict[str, set[int]] = {}
+    release, named = threading.Event(), threading.Event()
+
+    def poll() -> None:
+        _named("gloo_tcp_loop")
+        named.set()
+        release.wait()
+
+    def build() -> None:
+        with engine_thread_affinity(spec):
+            poller, worker = threading.Thread(target=poll), threading.Thread(target=release.wait)
+            poller.start()
+            worker.start()
+            named.wait(5)
+        seen["engine"] = os.sched_getaffinity(0)
+        seen["worker"] = os.sched_getaffinity(worker.native_id)
+        seen["poller"] = os.sched_getaffinity(poller.native_id)
+        release.set()
+        poller.join()
+        worker.join()
+
+    t = threading.Thread(target=build)
+    t.start()
+    t.join()
+    assert seen == {"engine": {core}, "worker": {core}, "poller": mask - {core}}
 
 
 def test_without_cores_the_build_thread_gets_its_affinity_back() -> None:
