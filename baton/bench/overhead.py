@@ -31,6 +31,15 @@ requests meets the same cache state in both phases (its prompts' prefixes alread
 its median is over all the prompts, not a cold/warm mix. Every Baton request's Server-Timing header gives its hops (deployments/hop_timing.py);
 `outside` = the client's TTFT minus the server's `total` (the HTTP proxy both ways and the
 client). The breakdown is the median of each hop over a pass's requests.
+
+Paired c1 ratios: the host's speed drifts by up to ~10 % over minutes (a bare engine timed 83 →
+93 ms per first step within an hour), so a ratio across phases tens of minutes apart can read
+under 1. The bare engine's process is therefore kept, idle, after its own passes, and right
+after each served phase it runs one more c1 pass (`bare_c1_paired`); the `_c1_paired` ratios
+divide each phase's c1 TTFT p50 by that pass's, minutes apart instead of tens of minutes, and
+`bare_c1_spread` (the largest over the smallest of the bare engine's five c1 p50s) says how far
+the host moved during the run. While idle, its only activity is vLLM's gloo pollers (13 threads
+waking every 10 ms; baton/engine/cpu_cores.py).
 """
 from __future__ import annotations
 
@@ -38,6 +47,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import queue
 import sys
 import time
 from dataclasses import asdict
@@ -78,7 +88,10 @@ def _engine_config(max_model_len: int) -> Any:
     return EngineConfig(model="SmolLM2-135M-Instruct", max_model_len=max_model_len, kv_cache_gib=1.0)
 
 
-def _bare_phase(model_path: str, prompts: list[list[int]], max_tokens: int, concurrency: int, warmup: list[list[int]], out: Any) -> None:
+def _bare_phase(model_path: str, prompts: list[list[int]], max_tokens: int, concurrency: int, warmup: list[list[int]],
+                commands: Any, out: Any) -> None:
+    """The bare engine's passes, then, kept alive (idle, blocked on `commands`), one more c1 pass
+    per "c1" command: the bare side of each served phase's paired c1 ratio."""
     from baton.engine.args import build_engine_spec
 
     spec = build_engine_spec(_engine_config(8192), role="decode", handoff=False, model_path=model_path, on_gpu=False, cache_root=str(ROOT / ".cache"))
@@ -107,6 +120,10 @@ def _bare_phase(model_path: str, prompts: list[list[int]], max_tokens: int, conc
     out.put({"summary": asdict(summarize_phase("bare_vllm", timings, wall)), "single": asdict(single_summary),
              "open": asdict(summarize_phase("bare_vllm_open", *opened)), "open_ttft_s": [t.ttft_s for t in opened[0]],
              "open_rate_per_s": rate, "arrivals": arrivals, "start_s": start_s, "rss_bytes": _rss()})
+    paired = 0
+    while commands.get() == "c1":
+        paired += 1
+        out.put(asdict(summarize_phase(f"bare_vllm_c1_paired{paired}", *_bare_loop(engine, params, prompts * C1_PASSES, max_tokens, 1, f"p{paired}-"))))
 
 
 def _bare_loop(engine: Any, params: Any, prompts: list[list[int]], max_tokens: int, concurrency: int, tag: str) -> tuple[list[RequestTiming], float]:
@@ -277,14 +294,36 @@ def _rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def _in_child(target: Any, *args: Any) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=target, args=(*args, q))
-    p.start()
-    result = q.get(timeout=1800)
-    p.join(timeout=120)
-    return result
+class _BareChild:
+    """The bare phase in a child process of its own (its engine never shares this one's threads),
+    kept for paired c1 passes until `close`."""
+
+    def __init__(self, target: Any, *args: Any) -> None:
+        """`target(*args, commands, out)` (here `_bare_phase`) puts its first result, then one per "c1"."""
+        ctx = mp.get_context("spawn")
+        self._commands, self._out = ctx.Queue(), ctx.Queue()
+        self._proc = ctx.Process(target=target, args=(*args, self._commands, self._out))
+        self._proc.start()
+        self.first: dict[str, Any] = self._get()
+
+    def _get(self) -> dict[str, Any]:
+        while True:
+            try:
+                return self._out.get(timeout=1)
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    raise RuntimeError(f"the bare engine's process exited with {self._proc.exitcode}") from None
+
+    def c1(self) -> dict[str, Any]:
+        """One more c1 pass on the same warm engine (the summary of it)."""
+        self._commands.put("c1")
+        return self._get()
+
+    def close(self) -> None:
+        self._commands.put("stop")
+        self._proc.join(timeout=120)
+        if self._proc.is_alive():
+            self._proc.kill()
 
 
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
@@ -302,27 +341,13 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     prepare = measure_prepare(model_path)
     print(f"[overhead] chat prompt preparation per turn (ms p50): whole {prepare['whole_ms_p50']:.2f}, "
           f"incremental {prepare['incremental_ms_p50']:.2f} over {prepare['turns']} turns up to {prepare['max_prompt_tokens']} tokens")
-    bare = _in_child(_bare_phase, model_path, prompts, max_tokens, concurrency, warmup)
-    print(f"[overhead] bare vLLM : {bare['summary']}")
-    arrivals = bare["arrivals"]
-    print(f"[overhead] open loop: {len(arrivals)} requests at {bare['open_rate_per_s']:.2f}/s (Poisson, seed {OPEN_LOOP_SEED}); "
-          f"bare TTFT p50 {bare['open']['ttft_p50_s']:.3f} s, p95 {bare['open']['ttft_p95_s']:.3f} s")
-    served = _vllm_serve_phase(model_path, prompts, max_tokens, concurrency, warmup, arrivals, out_dir / "vllm-serve.log")
-    print(f"[overhead] vllm serve: {served['summary']}")
-    baton = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup, arrivals)
-    print(f"[overhead] Baton     : {baton['summary']}")
-    print(f"[overhead] Baton hops at concurrency 1 (median s): {baton['hops_single']}")
-    print(f"[overhead] Baton hops at concurrency {concurrency} (median s): {baton['hops']}")
-    direct = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup, arrivals, direct=True)
-    print(f"[overhead] Baton, direct ingress: {direct['summary']}")
-    print(f"[overhead] Baton, direct ingress, hops at concurrency 1 (median s): {direct['hops_single']}")
-    fast = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup, arrivals, throughput_optimized=True)
-    print(f"[overhead] Baton, throughput-optimized Serve: {fast['summary']}")
-    print(f"[overhead] Baton, throughput-optimized Serve, hops at concurrency 1 (median s): {fast['hops_single']}")
-    print(f"[overhead] Baton, throughput-optimized Serve, hops in the open loop (median s): {fast['hops_open']}")
-    for label, phase in (("bare vLLM", bare), ("vllm serve", served), ("Baton", baton), ("Baton direct", direct), ("Baton tput-opt", fast)):
-        print(f"[overhead] open loop {label:>15}: TTFT p50 {phase['open']['ttft_p50_s']:.3f} s, p95 {phase['open']['ttft_p95_s']:.3f} s")
+    child = _BareChild(_bare_phase, model_path, prompts, max_tokens, concurrency, warmup)
+    try:
+        bare, served, baton, direct, fast = _served_phases(child, model_path, prompts, max_tokens, concurrency, warmup, out_dir)
+    finally:
+        child.close()
     ratios = overhead_ratios(bare, served, baton, direct, fast, prepare)
+    arrivals = bare["arrivals"]
     report = {"quick": quick, "requests": n, "max_tokens": max_tokens, "concurrency": concurrency,
               "open_loop": {"requests": len(arrivals), "rate_per_s": bare["open_rate_per_s"], "seed": OPEN_LOOP_SEED}, "bare": bare, "vllm_serve": served,
               "baton": baton, "baton_direct": direct, "baton_throughput_optimized": fast, "ratios": ratios, "c1_passes": C1_PASSES,
@@ -335,6 +360,40 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     print(f"[overhead] wrote {out_dir / 'overhead.json'} and {out_dir / 'overhead.png'}")
     print(result_line(ratios, bare, baton, fast, prepare))
     return report
+
+
+def _served_phases(child: _BareChild, model_path: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
+                   warmup: list[list[int]], out_dir: Path) -> tuple[dict[str, Any], ...]:
+    """vllm serve and Baton's three modes, each followed by a bare c1 pass on the kept engine (its
+    `bare_c1_paired`: the host's speed drifts between phases, not within a pair)."""
+    bare = child.first
+    print(f"[overhead] bare vLLM : {bare['summary']}")
+    arrivals = bare["arrivals"]
+    print(f"[overhead] open loop: {len(arrivals)} requests at {bare['open_rate_per_s']:.2f}/s (Poisson, seed {OPEN_LOOP_SEED}); "
+          f"bare TTFT p50 {bare['open']['ttft_p50_s']:.3f} s, p95 {bare['open']['ttft_p95_s']:.3f} s")
+    served = _vllm_serve_phase(model_path, prompts, max_tokens, concurrency, warmup, arrivals, out_dir / "vllm-serve.log")
+    served["bare_c1_paired"] = child.c1()
+    print(f"[overhead] vllm serve: {served['summary']}")
+    baton = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup, arrivals)
+    baton["bare_c1_paired"] = child.c1()
+    print(f"[overhead] Baton     : {baton['summary']}")
+    print(f"[overhead] Baton hops at concurrency 1 (median s): {baton['hops_single']}")
+    print(f"[overhead] Baton hops at concurrency {concurrency} (median s): {baton['hops']}")
+    direct = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup, arrivals, direct=True)
+    direct["bare_c1_paired"] = child.c1()
+    print(f"[overhead] Baton, direct ingress: {direct['summary']}")
+    print(f"[overhead] Baton, direct ingress, hops at concurrency 1 (median s): {direct['hops_single']}")
+    fast = _baton_phase(model_path, prompts, max_tokens, concurrency, warmup, arrivals, throughput_optimized=True)
+    fast["bare_c1_paired"] = child.c1()
+    print(f"[overhead] Baton, throughput-optimized Serve: {fast['summary']}")
+    print(f"[overhead] Baton, throughput-optimized Serve, hops at concurrency 1 (median s): {fast['hops_single']}")
+    print(f"[overhead] Baton, throughput-optimized Serve, hops in the open loop (median s): {fast['hops_open']}")
+    for label, phase in (("bare vLLM", bare), ("vllm serve", served), ("Baton", baton), ("Baton direct", direct), ("Baton tput-opt", fast)):
+        print(f"[overhead] open loop {label:>15}: TTFT p50 {phase['open']['ttft_p50_s']:.3f} s, p95 {phase['open']['ttft_p95_s']:.3f} s")
+    for label, phase in (("vllm serve", served), ("Baton", baton), ("Baton direct", direct), ("Baton tput-opt", fast)):
+        print(f"[overhead] c1 pair {label:>15}: TTFT p50 {phase['single']['ttft_p50_s']:.3f} s, "
+              f"bare right after {phase['bare_c1_paired']['ttft_p50_s']:.3f} s")
+    return bare, served, baton, direct, fast
 
 
 def _plot(phases: list[tuple[str, PhaseSummary, PhaseSummary]], path: Path) -> None:

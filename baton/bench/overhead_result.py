@@ -42,7 +42,24 @@ def overhead_ratios(bare: Phase, served: Phase, baton: Phase, direct: Phase, fas
         "ttft_p50_ratio_c1_engine_normalized": (bare["single"]["ttft_p50_s"] + baton["hops_single"]["own"]) / bare["single"]["ttft_p50_s"],
         "ttft_p50_ratio_c1_engine_normalized_throughput_optimized":
             (bare["single"]["ttft_p50_s"] + fast["hops_single"]["own"]) / bare["single"]["ttft_p50_s"],
+        # each served phase's c1 against the bare engine's c1 pass right after it (overhead.py)
+        "ttft_p50_ratio_c1_paired": _paired(baton),
+        "ttft_p50_ratio_c1_paired_vllm_serve": _paired(served),
+        "ttft_p50_ratio_c1_paired_direct_ingress": _paired(direct),
+        "ttft_p50_ratio_c1_paired_throughput_optimized": _paired(fast),
+        "bare_c1_spread": bare_c1_spread(bare, (served, baton, direct, fast)),
     }
+
+
+def _paired(phase: Phase) -> float:
+    return phase["single"]["ttft_p50_s"] / phase["bare_c1_paired"]["ttft_p50_s"]
+
+
+def bare_c1_spread(bare: Phase, served: tuple[Phase, ...]) -> float:
+    """The largest over the smallest of the bare engine's c1 TTFT p50s (its own pass and the one
+    after each served phase): how far the host's speed moved during the run."""
+    p50s = [bare["single"]["ttft_p50_s"], *(p["bare_c1_paired"]["ttft_p50_s"] for p in served)]
+    return max(p50s) / min(p50s)
 
 
 def result_line(ratios: dict[str, float], bare: Phase, baton: Phase, fast: Phase, prepare: dict[str, Any]) -> str:
@@ -67,5 +84,10 @@ def result_line(ratios: dict[str, float], bare: Phase, baton: Phase, fast: Phase
         f"ttft_p95_ratio_open_throughput_optimized={ratios['ttft_p95_ratio_open_throughput_optimized']:.3f} "
         f"own_ms_c1={baton['hops_single']['own'] * 1000:.1f} own_ms_c1_throughput_optimized={fast['hops_single']['own'] * 1000:.1f} "
         f"ttft_p50_ratio_c1_engine_normalized={ratios['ttft_p50_ratio_c1_engine_normalized']:.3f} "
-        f"ttft_p50_ratio_c1_engine_normalized_throughput_optimized={ratios['ttft_p50_ratio_c1_engine_normalized_throughput_optimized']:.3f}"
+        f"ttft_p50_ratio_c1_engine_normalized_throughput_optimized={ratios['ttft_p50_ratio_c1_engine_normalized_throughput_optimized']:.3f} "
+        f"ttft_p50_ratio_c1_paired={ratios['ttft_p50_ratio_c1_paired']:.3f} "
+        f"ttft_p50_ratio_c1_paired_vllm_serve={ratios['ttft_p50_ratio_c1_paired_vllm_serve']:.3f} "
+        f"ttft_p50_ratio_c1_paired_direct_ingress={ratios['ttft_p50_ratio_c1_paired_direct_ingress']:.3f} "
+        f"ttft_p50_ratio_c1_paired_throughput_optimized={ratios['ttft_p50_ratio_c1_paired_throughput_optimized']:.3f} "
+        f"bare_c1_spread={ratios['bare_c1_spread']:.3f}"
     )
