@@ -42,9 +42,9 @@ def engine_thread_affinity(spec: EngineSpec) -> Iterator[None]:
             started = thread_ids() - before
             pollers = {t for t in started if is_poller(thread_name(t))}
             pin_threads({threading.get_native_id()} | (started - pollers), cpus)
-            moved = pin_threads(pollers, poller_cores(prior, cpus))
-            if moved:
-                logger.info("engine on cores %s; %d polling threads on %s", cpus, moved, poller_cores(prior, cpus))
+            elsewhere = poller_cores(prior, cpus)
+            if moved := pin_threads(pollers, elsewhere):
+                logger.info("engine on cores %s; %d polling threads on %s", cpus, moved, elsewhere)
         elif spec.env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind") == "nobind":
             os.sched_setaffinity(0, cpus)
 
