@@ -161,10 +161,14 @@ class EngineReplica:
         if ck is not None:  # shown per replica in /baton/stats
             extra.update(checkpoints_held=ck.checkpoints_held, checkpoint_state_bytes=ck.state_bytes,
                          checkpoint_hit_tokens=ck.hit_tokens, checkpoint_recomputed_tokens=ck.recomputed_tokens)
+        seq, served, dropped = self._held.delta(time.monotonic())  # what changed since the last report
         report = replica_report(self._replica_id, self._pool, stats, process_ledger().totals(), extra,
-                                self._held.recent(time.monotonic()), self._realtime.token_growth(), self._node_id)
+                                served, self._realtime.token_growth(), self._node_id, delta=(seq, dropped))
         if self._directory is not None and stats.healthy:
-            self._directory.report(report)  # to every shard (deployments/directory_client.py)
+            # to every shard (deployments/directory_client.py); a shard without this replica's complete
+            # list of conversations (a fresh one) asks for it and gets it at once
+            self._directory.report(report, lambda: replace(report, conversations=self._held.recent(time.monotonic()),
+                                                           conversations_complete=True, dropped=(), seq=self._held.seq))
         return report.figures()
 
     async def engine_stats(self) -> EngineStats:

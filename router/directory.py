@@ -69,10 +69,12 @@ class ConversationDirectory:
                 logger.info("expired %d idle conversations", len(gone))
             self._live_pins.set(self._state.live_pins())
 
-    async def report(self, report: ReplicaReport) -> None:
+    async def report(self, report: ReplicaReport) -> bool:
+        """Store an engine replica's report; True asks it for its complete list of conversations
+        (router/held_mirror.py; deployments/directory_client.py sends it)."""
         self._ensure_expiry()
         adopted = self._state.totals["pins_adopted"]
-        self._state.report(report, time.monotonic())
+        wants_complete = self._state.report(report, time.monotonic())
         if self._state.totals["pins_adopted"] > adopted:
             logger.info("adopted %d pins from the report of %s", self._state.totals["pins_adopted"] - adopted, report.replica_id)
         if report.pool == "decode":
@@ -87,6 +89,7 @@ class ConversationDirectory:
                 self._eta.set(forecast.eta_s if forecast.eta_s is not None else -1.0, tags=tags)
                 self._retained.set(float(forecast.retained_tokens), tags=tags)
                 self._growth.set(forecast.growth_tokens_per_s, tags=tags)
+        return wants_complete
 
     async def route(self, session_id: str | None, user: str | None, prompt_tokens: int, *, owned: bool = True,
                     cliff_horizon_s: float | None = None, via: str | None = None) -> TurnPlan:

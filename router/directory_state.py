@@ -13,7 +13,8 @@ sessionless turns it placed from its view of the loads come back as unreported l
 
 Pins survive a directory restart through the decoders: each reports the conversations it served
 lately (ReplicaReport.conversations) and a fresh directory adopts a pin for each conversation it
-has none for, so returning conversations go back to their decoder ("pinned", no second handoff).
+has none for, so returning conversations go back to their decoder ("pinned", no second handoff);
+reports carry what changed, and a fresh directory asks for the whole list (router/held_mirror.py).
 
 Invariants (check_integrity):
 - every pin has a non-empty session id, last_seen >= created, turns >= 1, handoffs >= 0, and
@@ -34,6 +35,7 @@ from router.cliff import CliffForecast, forecast_cliff, within_horizon
 from router.conversation_info import ConversationInfo
 from router.directory_loads import count_unreported, decoder_loads, prefill_loads
 from router.directory_types import DirectorySettings, Pin, Reported
+from router.held_mirror import HeldMirror
 from router.ownership import Claim, KnownOwners, OwnershipStore
 from router.pin_adoption import adopt_pins
 from router.pin_cache import PinSync, PinUpdate, Placed, Touch
@@ -65,19 +67,20 @@ class DirectoryState:
         self._failed: dict[str, float] = {}  # replica -> when it failed
         self._pins = PinTable()  # with each decoder's pin count and held tokens
         self._rr = 0
-        # turns routed to a replica since its last report: the report does not show them yet
-        self._unreported: dict[str, tuple[int, int]] = {}  # replica -> (turns, prompt tokens)
+        self._unreported: dict[str, tuple[int, int]] = {}  # replica -> (turns, prompt tokens) routed since its report
         self.totals: Counter[str] = Counter()
         self.changes = PinChangeLog()  # for the ingresses' pin caches
+        self._held = HeldMirror()  # the conversations each decoder holds, from its reports
 
     # ---- replicas ------------------------------------------------------------------------
-    def report(self, report: ReplicaReport, now: float) -> None:
+    def report(self, report: ReplicaReport, now: float) -> bool:
+        """Store a report, adopt the pins it allows; True: send the complete list of conversations."""
         if self._born is None:
             self._born = now
         replica_id = report.replica_id
         failed_at = self._failed.get(replica_id)
         if failed_at is not None and now - failed_at <= self.settings.stale_after_s:
-            return  # a report sent before the failure and delivered after it: ignore
+            return False  # a report sent before the failure and delivered after it: ignore
         self._replicas[replica_id] = Reported(report, now)
         self._failed.pop(replica_id, None)
         self._unreported.pop(replica_id, None)
@@ -85,6 +88,10 @@ class DirectoryState:
             for sid in adopt_pins(self._pins, report, now, self.settings, self._owners.owner):
                 self._changed(sid)
                 self.totals["pins_adopted"] += 1
+            wants_complete = self._held.apply(report, now)
+            self.totals["complete_lists_asked"] += wants_complete
+            return wants_complete
+        return False
 
     def _is_live(self, r: Reported, now: float) -> bool:
         return r.report.replica_id not in self._failed and now - r.at <= self.settings.stale_after_s
@@ -238,9 +245,7 @@ class DirectoryState:
         owner = self._owners.owner(session_id)
         if pin is None or owner is None or owner != (user or ""):
             return None
-        held = self._replicas.get(pin.decoder)
-        resident = held is not None and any(sid == session_id for sid, _ in held.report.conversations)
-        return ConversationInfo(session_id, pin.decoder, pin.turns, pin.handoffs, pin.prompt_tokens, resident,
+        return ConversationInfo(session_id, pin.decoder, pin.turns, pin.handoffs, pin.prompt_tokens, self._held.holds(pin.decoder, session_id),
                                 max(0.0, now - pin.last_seen), max(0.0, now - pin.created), pin.adopted)
 
     def end_conversation(self, session_id: str, user: str | None = None) -> bool:
@@ -322,6 +327,7 @@ class DirectoryState:
 
     def check_integrity(self) -> None:
         self._pins.check_integrity()
+        self._held.check_integrity()
         for sid, p in self._pins.items():
             if p.last_seen < p.created or p.turns < 1 or p.handoffs < 0 or not sid:
                 raise AssertionError(f"bad pin {sid!r}: {p}")

@@ -11,7 +11,10 @@ are what the cliff predictor (router/cliff.py) reads: the real-time sessions' KV
 how fast it grows (baton/engine/realtime/growth.py).
 
 `conversations` is how a restarted directory gets its pins back: the conversations whose KV the
-replica holds (it served a turn of them lately), with how long each has been idle there."""
+replica holds (it served a turn of them lately), with how long each has been idle there. A
+decoder sends the whole list only when a directory asks for it; every other report is a delta
+(`conversations_complete=False`): the conversations it served and those it dropped since its
+previous report, numbered by `seq` (router/held_mirror.py keeps the directory's copy)."""
 from __future__ import annotations
 
 import math
@@ -22,7 +25,7 @@ from router.cliff import DecoderTokens
 
 POOLS = ("prefill", "decode")
 MAX_REPORTED_CONVERSATIONS = 4096  # the most recent conversations one report lists
-_NOT_FIGURES = frozenset({"replica_id", "pool", "extra", "conversations", "node_id"})
+_NOT_FIGURES = frozenset({"replica_id", "pool", "extra", "conversations", "node_id", "conversations_complete", "dropped", "seq"})
 _COUNTS = ("kv_capacity_tokens", "num_running", "num_waiting", "pending_prefill_tokens", "in_flight",
            "kv_transfers_received", "kv_bytes_received", "kv_transfer_failures", "kv_transfers_offered", "retained_tokens")
 _RATES = ("offered_growth_tokens_per_s", "served_growth_tokens_per_s")
@@ -59,6 +62,11 @@ class ReplicaReport:
     extra: tuple[tuple[str, float], ...] = ()
     conversations: tuple[tuple[str, float], ...] = ()
     node_id: str = ""  # the Ray node the replica runs on ("" = unknown); shown, not a figure
+    # True: `conversations` is everything the replica holds; False: a delta, what it served since
+    # its report seq - 1, with `dropped` the conversations it no longer holds since then
+    conversations_complete: bool = True
+    dropped: tuple[str, ...] = ()
+    seq: int = 0  # the replica's report number (1, 2, ...; 0: unnumbered, always complete)
 
     def __post_init__(self) -> None:
         if self.pool not in POOLS:
@@ -75,6 +83,12 @@ class ReplicaReport:
             raise ValueError(f"{len(held)} conversations in the report of {self.replica_id} (at most {MAX_REPORTED_CONVERSATIONS})")
         if len(set(held)) != len(held) or not all(held) or any(idle < 0 for _, idle in self.conversations):
             raise ValueError(f"conversations in the report of {self.replica_id} must be distinct non-empty ids with idle >= 0")
+        if self.seq < 0 or (not self.conversations_complete and self.seq == 0):
+            raise ValueError(f"report of {self.replica_id}: seq must be >= 0, and > 0 for a delta")
+        if self.dropped and (self.conversations_complete or len(set(self.dropped)) != len(self.dropped) or not all(self.dropped)
+                             or set(self.dropped) & set(held)):
+            raise ValueError(f"dropped conversations in the report of {self.replica_id} must be distinct non-empty ids, "
+                             "not listed as held, and only in a delta")
 
     def decoder_tokens(self) -> DecoderTokens:
         """The token figures the cliff predictor reads (router/cliff.py)."""

@@ -16,9 +16,13 @@ PinTable (router/pin_table.py) every placement counted every pin; `pins_growth` 
 conversation's cost at the most pins over the fewest, at the largest fleet) says whether a
 placement's cost still grows with the pins (1.0: it does not).
 
+Then what one decoder's report costs a shard (baton/bench/directory_reports.py): its held
+conversations listed in full, as every report did before deltas, or as a delta, at 1 and 2 shards.
+
 RESULT: `route_new_us_at_<R>` and `route_pinned_us_at_<R>` at the largest fleet and most pins,
 `ceiling_new_per_s_at_<R>`, `pins_growth`, `replicas_growth` (new conversation, largest fleet
-over smallest, at the fewest pins)."""
+over smallest, at the fewest pins), `report_us_complete_shards2` and `report_us_delta_shards2`
+(a decoder holding MAX_REPORTED_CONVERSATIONS conversations, 2 shards)."""
 from __future__ import annotations
 
 import json
@@ -29,12 +33,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from baton.bench import directory_reports
+from baton.bench.directory_reports import ReportCost
 from router.directory_state import DirectorySettings, DirectoryState
 from router.pin_cache import Touch
 from router.report import ReplicaReport
 
 REPEATS = 7
 SYNC_TOUCHES = 16
+REPORT_CALLS = 50  # reports per timed batch
+REPORT_SHARDS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,7 @@ def measure(replicas: int, pins: int, calls: int) -> Point:
     return point
 
 
-def result_line(points: list[Point]) -> str:
+def result_line(points: list[Point], reports: list[ReportCost]) -> str:
     r_max, r_min = max(p.replicas for p in points), min(p.replicas for p in points)
     p_max, p_min = max(p.pins for p in points), min(p.pins for p in points)
     at = {(p.replicas, p.pins): p for p in points}
@@ -125,7 +133,9 @@ def result_line(points: list[Point]) -> str:
     return (f"RESULT route_new_us_at_{r_max}={big.route_new.median_us:.1f} route_pinned_us_at_{r_max}={big.route_pinned.median_us:.1f} "
             f"ceiling_new_per_s_at_{r_max}={1e6 / big.route_new.median_us:.0f} "
             f"pins_growth={big.route_new.median_us / few.route_new.median_us:.3f} "
-            f"replicas_growth={few.route_new.median_us / small.route_new.median_us:.3f}")
+            f"replicas_growth={few.route_new.median_us / small.route_new.median_us:.3f}"
+            + "".join(f" report_us_complete_shards{r.shards}={r.complete_us[0]:.1f} report_us_delta_shards{r.shards}={r.delta_us[0]:.1f}"
+                      for r in reports if r.shards == max(x.shards for x in reports)))
 
 
 def _plot(points: list[Point], path: Path) -> None:
@@ -163,9 +173,16 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             print(f"[directory] {replicas:>4} replicas {pins:>7} pins: route new {p.route_new.median_us:7.1f} us "
                   f"({p.route_new.min_us:.1f}-{p.route_new.max_us:.1f}), pinned {p.route_pinned.median_us:7.1f} us, "
                   f"sync of {SYNC_TOUCHES} touches {p.sync.median_us:7.1f} us; ceiling {1e6 / p.route_new.median_us:8.0f} new/s", flush=True)
-    line = result_line(points)
+    reports = []
+    for shards in REPORT_SHARDS:
+        r = directory_reports.measure(shards, REPORT_CALLS, REPEATS)
+        reports.append(r)
+        print(f"[directory] a decoder holding {r.held} conversations reports to shard 0 of {shards}: complete list "
+              f"{r.complete_us[0]:7.1f} us ({r.complete_us[1]:.1f}-{r.complete_us[2]:.1f}, {r.complete_bytes} bytes), delta of "
+              f"{directory_reports.DELTA_SERVED} {r.delta_us[0]:6.1f} us ({r.delta_us[1]:.1f}-{r.delta_us[2]:.1f}, {r.delta_bytes} bytes)", flush=True)
+    line = result_line(points, reports)
     report = {"quick": quick, "grid": asdict(g), "repeats": REPEATS, "sync_touches": SYNC_TOUCHES,
-              "points": [asdict(p) for p in points], "result": line}
+              "points": [asdict(p) for p in points], "reports": [asdict(r) for r in reports], "result": line}
     (out_dir / "directory.json").write_text(json.dumps(report, indent=2))
     _plot(points, out_dir / "directory.png")
     print(f"[directory] wrote {out_dir / 'directory.json'} and {out_dir / 'directory.png'}")

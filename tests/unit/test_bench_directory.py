@@ -10,10 +10,15 @@ import pytest
 
 from baton.bench import directory
 
+real_measure = directory.directory_reports.measure
+
 
 def test_a_tiny_grid_runs_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(directory, "grid", lambda quick: directory.Grid(replicas=(2, 4), pins=(20, 60), calls=5))
     monkeypatch.setattr(directory, "REPEATS", 3)
+    monkeypatch.setattr(directory, "REPORT_CALLS", 4)
+    monkeypatch.setattr(directory.directory_reports, "measure",
+                        lambda shards, calls, repeats: real_measure(shards, calls, repeats, held=40))
     report = directory.run(True, tmp_path)
     saved = json.loads((tmp_path / "directory.json").read_text())
     assert (tmp_path / "directory.png").exists() and saved["result"] == report["result"]
@@ -23,7 +28,10 @@ def test_a_tiny_grid_runs_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyP
             t = p[what]
             assert 0 < t["min_us"] <= t["median_us"] <= t["max_us"]
     fields = dict(kv.split("=") for kv in report["result"].split()[1:])
-    assert set(fields) == {"route_new_us_at_4", "route_pinned_us_at_4", "ceiling_new_per_s_at_4", "pins_growth", "replicas_growth"}
+    assert set(fields) == {"route_new_us_at_4", "route_pinned_us_at_4", "ceiling_new_per_s_at_4", "pins_growth", "replicas_growth",
+                           "report_us_complete_shards2", "report_us_delta_shards2"}
+    assert [(r["shards"], r["held"]) for r in saved["reports"]] == [(1, 40), (2, 40)]
+    assert all(0 < r["complete_us"][1] <= r["complete_us"][0] <= r["complete_us"][2] for r in saved["reports"])
     assert all(math.isfinite(float(v)) and float(v) > 0 for v in fields.values())
     assert capsys.readouterr().out.strip().endswith(report["result"])
 
@@ -33,10 +41,17 @@ def test_the_growth_figures_are_the_ratios_of_the_named_points() -> None:
         t = directory.Timed(us, us, us)
         return directory.Point(r, pins, t, t, t)
 
-    line = directory.result_line([pt(8, 10, 50.0), pt(8, 1000, 55.0), pt(128, 10, 400.0), pt(128, 1000, 1200.0)])
+    reports = [directory.ReportCost(1, 4096, (900.0, 1, 1), (8.0, 1, 1), 1, 1), directory.ReportCost(2, 4096, (3000.0, 1, 1), (12.5, 1, 1), 1, 1)]
+    line = directory.result_line([pt(8, 10, 50.0), pt(8, 1000, 55.0), pt(128, 10, 400.0), pt(128, 1000, 1200.0)], reports)
     fields = dict(kv.split("=") for kv in line.split()[1:])
     assert fields == {"route_new_us_at_128": "1200.0", "route_pinned_us_at_128": "1200.0", "ceiling_new_per_s_at_128": "833",
-                      "pins_growth": "3.000", "replicas_growth": "8.000"}
+                      "pins_growth": "3.000", "replicas_growth": "8.000", "report_us_complete_shards2": "3000.0",
+                      "report_us_delta_shards2": "12.5"}
+
+
+def test_the_report_phase_sends_deltas_in_order_and_they_are_a_fraction_of_the_list() -> None:
+    cost = directory.directory_reports.measure(2, calls=5, repeats=3, held=400)  # raises if an in-order delta asked for the list
+    assert cost.delta_bytes * 10 < cost.complete_bytes and cost.held == 400
 
 
 def test_the_state_it_times_holds_the_pins_and_replicas_asked() -> None:
