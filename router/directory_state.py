@@ -33,8 +33,9 @@ from typing import Any
 
 from router.cliff import CliffForecast, forecast_cliff, within_horizon
 from router.conversation_info import ConversationInfo
-from router.directory_loads import count_unreported, decoder_loads, prefill_loads
+from router.directory_loads import prefill_loads
 from router.directory_types import DirectorySettings, Pin, Reported
+from router.fleet import Fleet
 from router.held_mirror import HeldMirror
 from router.ownership import Claim, KnownOwners, OwnershipStore
 from router.pin_adoption import adopt_pins
@@ -63,11 +64,10 @@ class DirectoryState:
         self.settings = settings
         self._owners = owners if owners is not None else KnownOwners(OwnershipStore(":memory:"))
         self._born: float | None = None  # the first report or turn this directory saw (its start)
-        self._replicas: dict[str, Reported] = {}
-        self._failed: dict[str, float] = {}  # replica -> when it failed
         self._pins = PinTable()  # with each decoder's pin count and held tokens
+        # the replicas' reports, failures and turns sent since, with the live lists and decoder loads kept
+        self._fleet = Fleet(settings.stale_after_s, self._pins if settings.policy in PINNING else None)
         self._rr = 0
-        self._unreported: dict[str, tuple[int, int]] = {}  # replica -> (turns, prompt tokens) routed since its report
         self.totals: Counter[str] = Counter()
         self.changes = PinChangeLog()  # for the ingresses' pin caches
         self._held = HeldMirror()  # the conversations each decoder holds, from its reports
@@ -77,46 +77,37 @@ class DirectoryState:
         """Store a report, adopt the pins it allows; True: send the complete list of conversations."""
         if self._born is None:
             self._born = now
-        replica_id = report.replica_id
-        failed_at = self._failed.get(replica_id)
-        if failed_at is not None and now - failed_at <= self.settings.stale_after_s:
+        if not self._fleet.store(report, now):
             return False  # a report sent before the failure and delivered after it: ignore
-        self._replicas[replica_id] = Reported(report, now)
-        self._failed.pop(replica_id, None)
-        self._unreported.pop(replica_id, None)
         if report.pool == "decode":  # pins back from what the decoder holds (after a restart)
             for sid in adopt_pins(self._pins, report, now, self.settings, self._owners.owner):
                 self._changed(sid)
                 self.totals["pins_adopted"] += 1
-            wants_complete = self._held.apply(report, now)
-            self.totals["complete_lists_asked"] += wants_complete
-            return wants_complete
+            if self._held.apply(report, now):
+                self.totals["complete_lists_asked"] += 1
+                return True
         return False
 
-    def _is_live(self, r: Reported, now: float) -> bool:
-        return r.report.replica_id not in self._failed and now - r.at <= self.settings.stale_after_s
-
     def live(self, pool: str, now: float) -> list[ReplicaReport]:
-        return [r.report for r in self._replicas.values() if r.report.pool == pool and self._is_live(r, now)]
+        """The live replicas of `pool` (a shared list: do not modify)."""
+        return self._fleet.live(pool, now)
 
     def _decoder_loads(self, live: list[ReplicaReport]) -> list[ReplicaLoad]:
-        # under per-turn policies a conversation's last decoder is not a commitment: no pin load
-        if self.settings.policy in PINNING:
-            return decoder_loads(live, self._unreported, self._pins.counts(), self._pins.held())
-        return decoder_loads(live, self._unreported, {}, {})
+        # under per-turn policies a conversation's last decoder is not a commitment: no pin load (the Fleet's pins are None)
+        return self._fleet.decoder_loads(live)
 
     def _prefill_for(self, plan: TurnPlan, now: float) -> str | None:
         """The prefill replica for a planned remote prefill, or None: prefill on the decoder."""
         s = self.settings
-        d = self._replicas[plan.decode_replica].report
-        idle = decoder_idle(d.num_waiting, d.pending_prefill_tokens + self._unreported.get(d.replica_id, (0, 0))[1],
+        d = self._fleet.replicas[plan.decode_replica].report
+        idle = decoder_idle(d.num_waiting, d.pending_prefill_tokens + self._fleet.unreported_of(d.replica_id)[1],
                             s.conditional_pd_threshold_tokens)
-        return choose_prefill(prefill_loads(self.live("prefill", now), self._unreported), decoder_idle=idle,
+        return choose_prefill(prefill_loads(self.live("prefill", now), self._fleet.unreported), decoder_idle=idle,
                               limit_tokens=s.prefill_queue_limit_tokens)
 
     def cliff_forecast(self, replica_id: str) -> CliffForecast | None:
         """The KV cliff forecast of a decoder from its latest report, made when it arrived."""
-        r = self._replicas.get(replica_id)
+        r = self._fleet.replicas.get(replica_id)
         return forecast_cliff(r.report.decoder_tokens(), r.at) if r is not None and r.report.pool == "decode" else None
 
     def cliff_eta(self, replica_id: str, now: float) -> float | None:
@@ -183,9 +174,9 @@ class DirectoryState:
                 self.totals["prefill_fallback_local"] += 1
                 plan = replace(plan, remote_prefill=False)
             else:
-                count_unreported(self._unreported, self._replicas, prefill, prompt_tokens)
+                self._fleet.count(prefill, prompt_tokens)
                 plan = replace(plan, prefill_replica=prefill)
-        count_unreported(self._unreported, self._replicas, plan.decode_replica, prompt_tokens)
+        self._fleet.count(plan.decode_replica, prompt_tokens)
         self.totals["turns"] += 1
         self.totals[f"plan_{plan.reason}"] += 1
         if plan.remote_prefill:
@@ -202,7 +193,7 @@ class DirectoryState:
         """Requests the live decoders reported serving, plus the turns placed on them since their
         reports (every turn has a decoder; a first turn's remote prefill is part of it)."""
         live = self.live("decode", now) if live is None else live
-        return sum(r.in_flight + self._unreported.get(r.replica_id, (0, 0))[0] for r in live)
+        return sum(r.in_flight + self._fleet.unreported_of(r.replica_id)[0] for r in live)
 
     def _record(self, session_id: str, user: str | None, plan: TurnPlan, now: float, prompt_tokens: int) -> None:
         pin = self._pins.get(session_id)
@@ -233,7 +224,7 @@ class DirectoryState:
     def replica_failed(self, replica_id: str, now: float) -> int:
         """Stop placing on a replica that failed a request; its conversations are re-placed on
         their next turn. Returns how many pins it held."""
-        self._failed[replica_id] = now
+        self._fleet.fail(replica_id, now)
         held = self._pins.counts().get(replica_id, 0)
         self.totals["replica_failures"] += 1
         return held
@@ -287,12 +278,12 @@ class DirectoryState:
                 self._pins.hold(t.session_id, t.prompt_tokens)
                 self._changed(t.session_id, via)
                 self.totals.update(("turns", "plan_pinned_at_ingress"))
-                count_unreported(self._unreported, self._replicas, t.decoder, t.prompt_tokens)
+                self._fleet.count(t.decoder, t.prompt_tokens)
             else:
                 self.totals["pin_touches_stale"] += 1
         for p in placed:
             self.totals.update(("turns", "plan_sessionless_at_ingress"))
-            count_unreported(self._unreported, self._replicas, p.decoder, p.prompt_tokens)
+            self._fleet.count(p.decoder, p.prompt_tokens)
         changed, reset = self.changes.since(via, incarnation, after_seq)
         updates = tuple(PinUpdate(sid, p.decoder, p.user, p.turns, p.prompt_tokens) if (p := self._pins.get(sid)) else PinUpdate(sid, None)
                         for sid in changed)
@@ -312,9 +303,9 @@ class DirectoryState:
         convs = [p for p in self._pins.values()]
         handoffs = sum(p.handoffs for p in convs)
         replicas = {
-            rid: {**r.report.figures(), "pool": r.report.pool, "node_id": r.report.node_id, "live": self._is_live(r, now), "pinned": pinned.get(rid, 0),
+            rid: {**r.report.figures(), "pool": r.report.pool, "node_id": r.report.node_id, "live": self._fleet.is_live(r, now), "pinned": pinned.get(rid, 0),
                   "age_s": round(now - r.at, 3), "cliff_eta_s": self.cliff_eta(rid, now)}
-            for rid, r in self._replicas.items()
+            for rid, r in self._fleet.replicas.items()
         }
         t = self.totals
         return {
@@ -333,11 +324,7 @@ class DirectoryState:
                 raise AssertionError(f"bad pin {sid!r}: {p}")
         if len(self._pins) > self.settings.max_conversations:
             raise AssertionError("more conversations than max_conversations")
-        for (turns, tokens) in self._unreported.values():
-            if turns < 0 or tokens < 0:
-                raise AssertionError("negative unreported load")
-        if set(self._unreported) - set(self._replicas):
-            raise AssertionError("unreported load on a replica that never reported")
+        self._fleet.check_integrity()
         if len(self._owners) > self._owners.capacity:
             raise AssertionError("more cached owners than the cache holds")
         for sid, p in self._pins.items():

@@ -21,6 +21,7 @@ class PinTable:
         self._pins: dict[str, Pin] = {}
         self._count: Counter[str] = Counter()  # decoder -> pins on it
         self._held: Counter[str] = Counter()  # decoder -> Σ of its pins' prompt_tokens
+        self._changed: set[str] = set()  # decoders whose sums changed since take_changed
 
     # ---- reading ----------------------------------------------------------------------------
     def get(self, session_id: str | None) -> Pin | None:
@@ -52,6 +53,11 @@ class PinTable:
         """Prompt tokens of the pins per decoder. A live view: do not modify."""
         return self._held
 
+    def take_changed(self) -> set[str]:
+        """The decoders whose pin count or held tokens changed since the last call (router/fleet.py's loads)."""
+        changed, self._changed = self._changed, set()
+        return changed
+
     # ---- changing ---------------------------------------------------------------------------
     def put(self, session_id: str, pin: Pin) -> None:
         """Add a pin, or replace the one of `session_id`."""
@@ -78,12 +84,14 @@ class PinTable:
     def hold(self, session_id: str, prompt_tokens: int) -> None:
         """The pin of `session_id` now holds `prompt_tokens` of context on its decoder."""
         pin = self._pins[session_id]
+        self._changed.add(pin.decoder)
         self._held[pin.decoder] += prompt_tokens - pin.prompt_tokens
         pin.prompt_tokens = prompt_tokens
         if not self._held[pin.decoder]:
             del self._held[pin.decoder]
 
     def _add(self, decoder: str, pins: int, tokens: int) -> None:
+        self._changed.add(decoder)
         self._count[decoder] += pins
         self._held[decoder] += tokens
         if not self._count[decoder]:

@@ -5,7 +5,8 @@ shard) runs for every call — in this process, over a grid of fleet sizes (deco
 have reported) and live pins (conversations already placed). At each grid point it times, after
 building the state: `route` of a new conversation (the ownership claim in an in-memory SQLite
 store, placement over every live decoder, the pin recorded), `route` of a pinned conversation's
-next turn, and one ingress pin-cache `sync` carrying 16 touches. Each figure is the median of
+next turn, and one ingress pin-cache `sync` carrying 16 touches, with one decoder's report among
+every REPORT_EVERY calls (its time counted: reports change what a decision reads). Each figure is the median of
 REPEATS timed batches (its spread, min-max, beside it), in microseconds per call; the ceiling is
 1e6 ÷ that: the decisions per second one directory replica can compute when the CPU is its own,
 before Ray Serve's transport (which bench control measures, with it).
@@ -41,7 +42,10 @@ from router.report import ReplicaReport
 
 REPEATS = 7
 SYNC_TOUCHES = 16
-REPORT_CALLS = 50  # reports per timed batch
+REPORT_CALLS = 50  # reports per timed batch (the report phase)
+# in the route and sync batches, one decoder's report per this many calls (its time included): 128
+# decoders reporting each second send one per 16 decisions at 2,000 decisions/s
+REPORT_EVERY = 16
 REPORT_SHARDS = (1, 2)
 
 
@@ -97,13 +101,21 @@ def timed(batch: Callable[[int], None], calls: int) -> Timed:
 def measure(replicas: int, pins: int, calls: int) -> Point:
     state = build_state(replicas, pins)
     now = 2.0
+    reports = [ReplicaReport(f"d{i % replicas}", "decode", kv_usage=0.1 + 0.01 * (i % 7), kv_capacity_tokens=1_000_000)
+               for i in range(calls // REPORT_EVERY + 1)]
+
+    def reported(i: int) -> None:  # a decoder's report every REPORT_EVERY calls: what a fleet of decoders sends meanwhile
+        if i % REPORT_EVERY == 0:
+            state.report(reports[i // REPORT_EVERY], now)
 
     def new(k: int) -> None:
         for i in range(calls):
+            reported(i)
             state.route(f"new-{k}-{i}", "user", 100, now)
 
     def pinned(k: int) -> None:
         for i in range(calls):
+            reported(i)
             state.route(f"held-{(k * calls + i) % pins}", "user", 120, now)
 
     start = state.route("syncing", "user", 100, now, via="ingress")
@@ -116,7 +128,8 @@ def measure(replicas: int, pins: int, calls: int) -> Point:
     batches = [touches_of(i) for i in range(calls)]  # built before the clock starts: only the sync is timed
 
     def sync(k: int) -> None:
-        for touches in batches:
+        for i, touches in enumerate(batches):
+            reported(i)
             reply = state.sync("ingress", start.incarnation, seq[0], touches, now)
             seq[0] = reply.seq
 
