@@ -149,7 +149,8 @@ def build_app(args: dict[str, Any] | AppConfig) -> Application:
             shards=r.directory_shards,
         ),
         r.resolved_ownership_db_path(PROJECT_ROOT),  # one file for every shard: an owner holds across any change of K
-    ) for i in range(r.directory_shards)])
+        r.report_relay_period_s,
+    ) for i in range(r.directory_shards)], relay=r.report_relay_period_s > 0)
     store = None
     seg_bytes = 0
     if cfg.memory is not None:

@@ -160,12 +160,13 @@ class RoutingConfig(_Strict):
     prefill_token_weight: float = Field(1.0 / 8192, ge=0, description="load score per queued prefill token")
     replica_stale_after_s: float = Field(10.0, gt=0, description="a replica that has not reported this long is not placed on")
     pin_cache_sync_s: float = Field(0.5, ge=0, le=10.0, description="pinning policies: each ingress keeps the pins the directory "
-        "gave it and serves a pinned conversation's later turns without asking the directory, syncing with it this often (the turns "
-        "it served, the pins that changed elsewhere, the live decoders; router/pin_cache.py); a pin is used only while the last "
-        "sync is at most two periods old. 0: every turn asks the directory")
+        "gave it and serves a pinned conversation's later turns without asking the directory, syncing with it this often "
+        "(router/pin_cache.py), using a pin while the last sync is at most two periods old. 0: every turn asks the directory")
     directory_shards: int = Field(1, ge=1, le=MAX_SHARDS, description="directory replicas, each owning the conversations whose session ids hash to it "
-        "(router/directory_shards.py); ingresses ask a conversation's shard, engines report to all. One directory takes one call "
+        "(router/directory_shards.py); ingresses ask a conversation's shard, engines' reports reach all. One directory takes one call "
         "at a time: shards lift the decisions/s it caps. Changing it moves ~1/K of the pins (not the owners)")
+    report_relay_period_s: float = Field(0.5, ge=0, le=5.0, description="with directory_shards > 1: engines report to one shard, "
+        "which relays to the others in one call each this often (router/report_relay.py); 0: engines report to every shard")
     ownership_db_path: str = Field(".cache/baton/conversations.sqlite3", min_length=1, description="SQLite file recording who "
         "owns each conversation (survives directory and cluster restarts; one file for every shard); relative to the repo "
         "root, on the node the directory runs on; ':memory:' keeps it in memory (tests)")

@@ -18,11 +18,13 @@ from typing import Any
 from ray import serve
 from ray.serve import metrics
 
+from router.directory_shards import deployment_name
 from router.directory_state import DirectorySettings, DirectoryState
 from router.ownership import KnownOwners, OwnershipStore
 from router.pin_cache import PinSync, Placed, Touch
 from router.policy import TurnPlan
 from router.report import ReplicaReport
+from router.report_relay import RelayAsks, ReportOutbox
 
 logger = logging.getLogger("ray.serve")
 
@@ -30,7 +32,14 @@ EXPIRY_PERIOD_S = 5.0
 
 
 class ConversationDirectory:
-    def __init__(self, settings: DirectorySettings, ownership_db_path: str = ":memory:"):
+    def __init__(self, settings: DirectorySettings, ownership_db_path: str = ":memory:", relay_period_s: float = 0.0):
+        """relay_period_s > 0 with several shards: relay the reports received as a home shard to the
+        other shards in one call each per period (router/report_relay.py)."""
+        self._shard, self._shards = settings.shard, settings.shards
+        self._relay_period_s = relay_period_s if settings.shards > 1 else 0.0
+        self._outbox, self._asks = ReportOutbox(), RelayAsks(settings.shard, settings.shards)
+        self._relay_task: asyncio.Task | None = None
+        self._peers: dict[int, Any] = {}
         self._owners = OwnershipStore(ownership_db_path)
         logger.info("conversation ownership in %s (%d conversations)", ownership_db_path, self._owners.count())
         self._state = DirectoryState(settings, KnownOwners(self._owners))
@@ -54,6 +63,8 @@ class ConversationDirectory:
             "baton_cliff_retained_tokens", "KV tokens a decode replica's real-time sessions hold in its pool (ticks in flight included)", tag_keys=("decoder",))
         self._growth = metrics.Gauge(
             "baton_cliff_growth_tokens_per_second", "how fast those tokens grow (min of offered and served)", tag_keys=("decoder",))
+        self._relayed_in = metrics.Counter(
+            "baton_directory_reports_relayed", "engine replicas' reports this shard received relayed from their home shard")
         self._kv_transfers = metrics.Gauge(
             "baton_decoder_kv_transfers_received", "KV transfers a decode replica completed (its connector's count)", tag_keys=("decoder",))
 
@@ -69,10 +80,49 @@ class ConversationDirectory:
                 logger.info("expired %d idle conversations", len(gone))
             self._live_pins.set(self._state.live_pins())
 
-    async def report(self, report: ReplicaReport) -> bool:
-        """Store an engine replica's report; True asks it for its complete list of conversations
-        (router/held_mirror.py; deployments/directory_client.py sends it)."""
+    async def report(self, report: ReplicaReport, relay: bool = False) -> tuple[int, ...]:
+        """Store an engine replica's report; answer the shards that want its complete list of
+        conversations (router/held_mirror.py; deployments/directory_client.py sends it to them).
+        relay: this is the replica's home shard; pass the report on to the other shards."""
         self._ensure_expiry()
+        asking = (self._shard,) if self._apply(report) else ()
+        if relay and self._relay_period_s > 0:
+            if self._relay_task is None:
+                self._relay_task = asyncio.get_running_loop().create_task(self._relay_forever())
+            self._outbox.add(report)
+            asking += self._asks.take(report.replica_id)
+        return asking
+
+    async def forwarded(self, reports: list[ReplicaReport]) -> list[str]:
+        """Reports relayed by another shard (their home); the replicas whose complete list this shard wants."""
+        self._ensure_expiry()
+        self._relayed_in.inc(len(reports))
+        self._state.totals["reports_relayed_in"] += len(reports)
+        return [r.replica_id for r in reports if self._apply(r)]
+
+    async def _relay_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._relay_period_s)
+            batch = self._outbox.take()
+            if not batch:
+                continue
+            peers = self._peer_handles()
+            replies = await asyncio.gather(*(h.forwarded.remote(batch) for h in peers.values()), return_exceptions=True)
+            for j, reply in zip(peers, replies, strict=True):
+                if isinstance(reply, BaseException):  # that shard is down or restarting: it asks for what it lacks once back
+                    logger.warning("relaying %d reports to directory shard %d failed (%s: %s)", len(batch), j, type(reply).__name__, reply)
+                else:
+                    self._asks.add(j, reply)
+
+    def _peer_handles(self) -> dict[int, Any]:
+        if not self._peers:
+            app = serve.get_replica_context().app_name
+            self._peers = {j: serve.get_deployment_handle(deployment_name(j, self._shards), app_name=app)
+                           for j in range(self._shards) if j != self._shard}
+        return self._peers
+
+    def _apply(self, report: ReplicaReport) -> bool:
+        """Store a report (DirectoryState.report) and publish its replica's figures; True: its complete list is wanted."""
         adopted = self._state.totals["pins_adopted"]
         wants_complete = self._state.report(report, time.monotonic())
         if self._state.totals["pins_adopted"] > adopted:

@@ -218,7 +218,8 @@ def _run_size(n: int, variant: Variant, sw: Sweep, out_dir: Path,
     from baton.bench.cluster import LocalServeApp, replica_rss_bytes
 
     args = app_args(n, Path(tempfile.mkdtemp(prefix="baton-control-")), max_concurrency=max(sw.concurrencies),
-                    pin_cache_sync_s=variant.pin_cache_sync_s, directory_shards=variant.directory_shards)
+                    pin_cache_sync_s=variant.pin_cache_sync_s, directory_shards=variant.directory_shards,
+                    report_relay_period_s=variant.report_relay_period_s)
     app = LocalServeApp(args, resources={SLOT: n}, num_cpus=2, http_port=HTTP_PORT, ray_port=RAY_PORT,
                         log_dir=out_dir / f"serve-{n}-{variant.name}", start_timeout_s=start_timeout_s(n), env=variant.env(HTTP_PORT))
     points: list[PointStats] = []
@@ -262,6 +263,7 @@ def _run_size(n: int, variant: Variant, sw: Sweep, out_dir: Path,
     print(f"[control] {n} replicas, {variant.name}: saturated at concurrency {knee if knee is not None else 'none (still growing)'}")
     record = {
         "replicas": n, "variant": variant.name, "pin_cache_sync_s": variant.pin_cache_sync_s, "directory_shards": variant.directory_shards,
+        "report_relay_period_s": variant.report_relay_period_s,
         "serve_env": variant.env(HTTP_PORT),
         "load_port": variant.load_port(HTTP_PORT), "status": "ran",
         "start_s": running.start_seconds, "all_live_s": live_s,

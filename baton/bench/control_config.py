@@ -47,13 +47,16 @@ class Variant:
     with the directory this often, router/pin_cache.py) and the Ray Serve mode the cluster runs
     under (serve_env: extra environment for `ray start` and `serve run`; direct_ingress: the load
     goes to the ingress replica's own port instead of the HTTP proxy's); directory_shards: the
-    conversation directory's shards (routing.directory_shards, router/directory_shards.py)."""
+    conversation directory's shards (routing.directory_shards, router/directory_shards.py);
+    report_relay_period_s: with shards, how often a shard relays the reports it got to the others
+    (routing.report_relay_period_s, router/report_relay.py; 0: every replica reports to every shard)."""
 
     name: str
     pin_cache_sync_s: float
     serve_env: tuple[tuple[str, str], ...] = ()
     direct_ingress: bool = False
     directory_shards: int = 1
+    report_relay_period_s: float = 0.5
 
     def env(self, http_port: int) -> dict[str, str]:
         """The cluster's extra environment for this variant, the direct-ingress ports included."""
@@ -70,9 +73,12 @@ PIN_CACHE = Variant("pin_cache", 0.5)  # the config's default (routing.pin_cache
 THROUGHPUT_OPTIMIZED = Variant("throughput_optimized", 0.5, tuple(THROUGHPUT_OPTIMIZED_ENV.items()), direct_ingress=True)
 VARIANTS = (NO_PIN_CACHE, PIN_CACHE, THROUGHPUT_OPTIMIZED)  # what a run without --variants compares
 # on request (--variants): the throughput-optimized mode with the directory in two shards, each
-# owning half the conversations, both hearing every report (router/directory_shards.py)
+# owning half the conversations, both hearing every report (router/directory_shards.py): relayed
+# by each replica's home shard (the config's default), or sent by each replica to both
 SHARDED_DIRECTORY = Variant("sharded_directory", 0.5, tuple(THROUGHPUT_OPTIMIZED_ENV.items()), direct_ingress=True, directory_shards=2)
-ALL_VARIANTS = (*VARIANTS, SHARDED_DIRECTORY)
+SHARDED_NO_RELAY = Variant("sharded_no_relay", 0.5, tuple(THROUGHPUT_OPTIMIZED_ENV.items()), direct_ingress=True, directory_shards=2,
+                           report_relay_period_s=0.0)
+ALL_VARIANTS = (*VARIANTS, SHARDED_DIRECTORY, SHARDED_NO_RELAY)
 
 
 def pick_variants(names: str | None) -> tuple[Variant, ...]:
@@ -96,7 +102,7 @@ def variant_order(size_index: int, variants: tuple[Variant, ...] = VARIANTS) -> 
 
 
 def app_args(replicas: int, state_dir: Path, *, max_concurrency: int, pin_cache_sync_s: float,
-             time_scale: float = TIME_SCALE, directory_shards: int = 1) -> dict[str, Any]:
+             time_scale: float = TIME_SCALE, directory_shards: int = 1, report_relay_period_s: float = 0.5) -> dict[str, Any]:
     """local_simulated.yaml's args with `replicas` decode replicas on the colocated policy and the
     ingress pin cache syncing every pin_cache_sync_s (0: off).
 
@@ -113,7 +119,8 @@ def app_args(replicas: int, state_dir: Path, *, max_concurrency: int, pin_cache_
     args["ingress"] = {**args["ingress"], "default_max_tokens": MAX_TOKENS,
                        "max_inflight_requests": 2 * max_concurrency, "max_ongoing_requests": 4 * max_concurrency}
     args["routing"] = {**args["routing"], "policy": "colocated", "ownership_db_path": str(state_dir / "conversations.sqlite3"),
-                       "pin_cache_sync_s": pin_cache_sync_s, "directory_shards": directory_shards}
+                       "pin_cache_sync_s": pin_cache_sync_s, "directory_shards": directory_shards,
+                       "report_relay_period_s": report_relay_period_s}
     args["prefill"] = {**args["prefill"], "num_replicas": 0}
     decode = args["decode"]
     engine = {**decode["engine"], "simulated": {**decode["engine"]["simulated"], "time_scale": time_scale}}

@@ -264,6 +264,8 @@ class FakeDirectoryHandle:
             await asyncio.Event().wait()
         if name in self.errors:
             raise self.errors[name]
+        if self.state is not None and name == "report":  # as router/directory.py answers: the shards that want the complete list
+            return (self.state.settings.shard,) if self.state.report(args[0], self._clock()) else ()
         if self.state is not None:  # as router/directory.py calls it: with the clock where it takes one
             method = getattr(self.state, name)
             takes_now = "now" in inspect.signature(method).parameters

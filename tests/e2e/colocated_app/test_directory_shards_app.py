@@ -54,6 +54,8 @@ def test_each_shard_routes_its_own_conversations_and_pins_hold(url: str) -> None
     opened = [a["conversations_total"] - b["conversations_total"] for a, b in zip(after["shards"], before["shards"], strict=True)]
     assert opened == expected, (opened, expected)  # each conversation was opened on the shard its id hashes to
     assert after["conversations_total"] - before["conversations_total"] == CONVERSATIONS
+    # each engine replica reports to its home shard, which relays to the other (routing.report_relay_period_s)
+    assert after["totals"].get("reports_relayed_in", 0) > before["totals"].get("reports_relayed_in", 0)
 
 
 def test_another_user_is_refused_and_the_owner_ends_it_on_its_shard(url: str) -> None:
