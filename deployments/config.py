@@ -165,7 +165,7 @@ class RoutingConfig(_Strict):
     directory_shards: int = Field(1, ge=1, le=MAX_SHARDS, description="directory replicas, each owning the conversations whose session ids hash to it "
         "(router/directory_shards.py); ingresses ask a conversation's shard, engines' reports reach all. One directory takes one call "
         "at a time: shards lift the decisions/s it caps. Changing it moves ~1/K of the pins (not the owners)")
-    report_relay_period_s: float = Field(0.5, ge=0, le=5.0, description="with directory_shards > 1: engines report to one shard, "
+    report_relay_period_s: float = Field(0.0, ge=0, le=5.0, description="with directory_shards > 1: engines report to one shard, "
         "which relays to the others in one call each this often (router/report_relay.py); 0: engines report to every shard")
     ownership_db_path: str = Field(".cache/baton/conversations.sqlite3", min_length=1, description="SQLite file recording who "
         "owns each conversation (survives directory and cluster restarts; one file for every shard); relative to the repo "

@@ -103,16 +103,22 @@ class ConversationDirectory:
     async def _relay_forever(self) -> None:
         while True:
             await asyncio.sleep(self._relay_period_s)
-            batch = self._outbox.take()
-            if not batch:
-                continue
-            peers = self._peer_handles()
-            replies = await asyncio.gather(*(h.forwarded.remote(batch) for h in peers.values()), return_exceptions=True)
-            for j, reply in zip(peers, replies, strict=True):
-                if isinstance(reply, BaseException):  # that shard is down or restarting: it asks for what it lacks once back
-                    logger.warning("relaying %d reports to directory shard %d failed (%s: %s)", len(batch), j, type(reply).__name__, reply)
-                else:
-                    self._asks.add(j, reply)
+            try:
+                await self._relay_once()
+            except Exception:  # the loop must outlive one bad flush: peers ask for what they missed
+                logger.exception("relaying reports to the other directory shards failed; retrying next period")
+
+    async def _relay_once(self) -> None:
+        batch = self._outbox.take()
+        if not batch:
+            return
+        peers = self._peer_handles()
+        replies = await asyncio.gather(*(h.forwarded.remote(batch) for h in peers.values()), return_exceptions=True)
+        for j, reply in zip(peers, replies, strict=True):
+            if isinstance(reply, BaseException):  # that shard is down or restarting: it asks for what it lacks once back
+                logger.warning("relaying %d reports to directory shard %d failed (%s: %s)", len(batch), j, type(reply).__name__, reply)
+            else:
+                self._asks.add(j, reply)
 
     def _peer_handles(self) -> dict[int, Any]:
         if not self._peers:

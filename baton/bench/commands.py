@@ -46,7 +46,7 @@ def register(subparsers: Any) -> None:
                    help="conserve only: the p95 TTFT (s) colocated must meet at the headline level (default 3)")
     p.add_argument("--variants", default=None,
                    help="control only: the variants to run, comma-separated, of no_pin_cache, pin_cache, throughput_optimized "
-                        "(the default: these three), sharded_directory and sharded_no_relay")
+                        "(the default: these three), sharded_directory and sharded_relay")
     p.add_argument("--out", type=Path, default=None, help="output dir (default ./runs/bench-<name>-<timestamp>, relative to where you run it)")
     p.set_defaults(func=run_bench)
 

@@ -56,7 +56,7 @@ class Variant:
     serve_env: tuple[tuple[str, str], ...] = ()
     direct_ingress: bool = False
     directory_shards: int = 1
-    report_relay_period_s: float = 0.5
+    report_relay_period_s: float = 0.0
 
     def env(self, http_port: int) -> dict[str, str]:
         """The cluster's extra environment for this variant, the direct-ingress ports included."""
@@ -73,12 +73,12 @@ PIN_CACHE = Variant("pin_cache", 0.5)  # the config's default (routing.pin_cache
 THROUGHPUT_OPTIMIZED = Variant("throughput_optimized", 0.5, tuple(THROUGHPUT_OPTIMIZED_ENV.items()), direct_ingress=True)
 VARIANTS = (NO_PIN_CACHE, PIN_CACHE, THROUGHPUT_OPTIMIZED)  # what a run without --variants compares
 # on request (--variants): the throughput-optimized mode with the directory in two shards, each
-# owning half the conversations, both hearing every report (router/directory_shards.py): relayed
-# by each replica's home shard (the config's default), or sent by each replica to both
+# owning half the conversations, both hearing every report (router/directory_shards.py): sent by
+# each replica to both (the config's default), or relayed by each replica's home shard
 SHARDED_DIRECTORY = Variant("sharded_directory", 0.5, tuple(THROUGHPUT_OPTIMIZED_ENV.items()), direct_ingress=True, directory_shards=2)
-SHARDED_NO_RELAY = Variant("sharded_no_relay", 0.5, tuple(THROUGHPUT_OPTIMIZED_ENV.items()), direct_ingress=True, directory_shards=2,
-                           report_relay_period_s=0.0)
-ALL_VARIANTS = (*VARIANTS, SHARDED_DIRECTORY, SHARDED_NO_RELAY)
+SHARDED_RELAY = Variant("sharded_relay", 0.5, tuple(THROUGHPUT_OPTIMIZED_ENV.items()), direct_ingress=True, directory_shards=2,
+                        report_relay_period_s=0.5)
+ALL_VARIANTS = (*VARIANTS, SHARDED_DIRECTORY, SHARDED_RELAY)
 
 
 def pick_variants(names: str | None) -> tuple[Variant, ...]:
@@ -102,7 +102,7 @@ def variant_order(size_index: int, variants: tuple[Variant, ...] = VARIANTS) -> 
 
 
 def app_args(replicas: int, state_dir: Path, *, max_concurrency: int, pin_cache_sync_s: float,
-             time_scale: float = TIME_SCALE, directory_shards: int = 1, report_relay_period_s: float = 0.5) -> dict[str, Any]:
+             time_scale: float = TIME_SCALE, directory_shards: int = 1, report_relay_period_s: float = 0.0) -> dict[str, Any]:
     """local_simulated.yaml's args with `replicas` decode replicas on the colocated policy and the
     ingress pin cache syncing every pin_cache_sync_s (0: off).
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from baton.bench.conserve_stats import INF, percentile
-from baton.bench.control_config import NO_PIN_CACHE, PIN_CACHE, SHARDED_DIRECTORY, SHARDED_NO_RELAY, THROUGHPUT_OPTIMIZED, Variant
+from baton.bench.control_config import NO_PIN_CACHE, PIN_CACHE, SHARDED_DIRECTORY, SHARDED_RELAY, THROUGHPUT_OPTIMIZED, Variant
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -238,7 +238,7 @@ def result_line(points: Sequence[PointStats], max_replicas_run: int | None, per_
     route_p99_ms_throughput_optimized=… cpu_ms_per_turn_throughput_optimized=…
     decisions_per_s_ratio_throughput_optimized=… directory_ceiling_throughput_optimized=…
     decisions_per_s_max_sharded_directory=… directory_ceiling_sharded_directory=…
-    directory_ceiling_ratio_sharded=… decisions_per_s_max_sharded_no_relay=… directory_ceiling_sharded_no_relay=…
+    directory_ceiling_ratio_sharded=… decisions_per_s_max_sharded_relay=… directory_ceiling_sharded_relay=…
     directory_ceiling_ratio_relay=…`.
 
     The best point of the `pin_cache` variant (the default config), the concurrency where its
@@ -252,9 +252,9 @@ def result_line(points: Sequence[PointStats], max_replicas_run: int | None, per_
     at that point, the best point of `sharded_directory` (the same mode, 2 shards) with its
     ceiling, and the ratio of the sharded ceiling to the unsharded one at the same size and
     concurrency (2.0 if sharding split the directory's work with no cost; less where the shards'
-    duplicated report handling costs). Then the best point of `sharded_no_relay` (2 shards, every
-    replica reporting to both) with its ceiling, and the relayed sharded ceiling over it at the
-    same size and concurrency (> 1: relaying the reports saved the shards work)."""
+    duplicated report handling costs). Then the best point of `sharded_relay` (2 shards, each
+    replica reporting to its home shard, which relays) with its ceiling, and that ceiling over
+    `sharded_directory`'s at the same size and concurrency (> 1: relaying saved the shards work)."""
     best = best_point(points)
     off = counterpart(points, best, NO_PIN_CACHE.name) if best is not None else None
     if best is None:
@@ -274,10 +274,10 @@ def result_line(points: Sequence[PointStats], max_replicas_run: int | None, per_
     same = counterpart(points, sharded, THROUGHPUT_OPTIMIZED.name) if sharded is not None else None
     ceil_same = directory_ceiling(same, THROUGHPUT_OPTIMIZED)
     ceil_gain = ratio(ceil_sharded, ceil_same) if ceil_sharded is not None and ceil_same is not None else None
-    direct = best_point(points, SHARDED_NO_RELAY.name)
-    ceil_direct = directory_ceiling(direct, SHARDED_NO_RELAY)
-    relayed = counterpart(points, direct, SHARDED_DIRECTORY.name) if direct is not None else None
-    ceil_relayed = directory_ceiling(relayed, SHARDED_DIRECTORY)
+    relayed = best_point(points, SHARDED_RELAY.name)
+    ceil_relayed = directory_ceiling(relayed, SHARDED_RELAY)
+    direct = counterpart(points, relayed, SHARDED_DIRECTORY.name) if relayed is not None else None
+    ceil_direct = directory_ceiling(direct, SHARDED_DIRECTORY)
     relay_gain = ratio(ceil_relayed, ceil_direct) if ceil_relayed is not None and ceil_direct is not None else None
     return (f"RESULT decisions_per_s_max={'nan' if best is None else f'{best.decisions_per_s:.1f}'} "
             f"route_p99_ms_at_max={_ms(best.route_p99_s if best else None)} "
@@ -296,8 +296,8 @@ def result_line(points: Sequence[PointStats], max_replicas_run: int | None, per_
             f"decisions_per_s_max_sharded_directory={_num(sharded.decisions_per_s if sharded else None, 1)} "
             f"directory_ceiling_sharded_directory={_num(ceil_sharded, 0)} "
             f"directory_ceiling_ratio_sharded={_num(ceil_gain, 3)} "
-            f"decisions_per_s_max_sharded_no_relay={_num(direct.decisions_per_s if direct else None, 1)} "
-            f"directory_ceiling_sharded_no_relay={_num(ceil_direct, 0)} "
+            f"decisions_per_s_max_sharded_relay={_num(relayed.decisions_per_s if relayed else None, 1)} "
+            f"directory_ceiling_sharded_relay={_num(ceil_relayed, 0)} "
             f"directory_ceiling_ratio_relay={_num(relay_gain, 3)}")
 
 

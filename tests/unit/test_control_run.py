@@ -79,7 +79,7 @@ def test_sizes_past_the_memory_projection_are_skipped(monkeypatch: pytest.Monkey
                     "decisions_per_s_max_throughput_optimized=675.0 route_p99_ms_throughput_optimized=8.00 "
                     "cpu_ms_per_turn_throughput_optimized=0.500 decisions_per_s_ratio_throughput_optimized=1.500 "
         "directory_ceiling_throughput_optimized=nan decisions_per_s_max_sharded_directory=nan directory_ceiling_sharded_directory=nan "
-        "directory_ceiling_ratio_sharded=nan decisions_per_s_max_sharded_no_relay=nan directory_ceiling_sharded_no_relay=nan "
+        "directory_ceiling_ratio_sharded=nan decisions_per_s_max_sharded_relay=nan directory_ceiling_sharded_relay=nan "
         "directory_ceiling_ratio_relay=nan") == saved["result"]
 
 

@@ -129,7 +129,7 @@ def test_result_line_is_computed_from_the_points() -> None:
         "route_p99_ms_throughput_optimized=nan cpu_ms_per_turn_throughput_optimized=nan "
         "decisions_per_s_ratio_throughput_optimized=nan "
         "directory_ceiling_throughput_optimized=nan decisions_per_s_max_sharded_directory=nan directory_ceiling_sharded_directory=nan "
-        "directory_ceiling_ratio_sharded=nan decisions_per_s_max_sharded_no_relay=nan directory_ceiling_sharded_no_relay=nan "
+        "directory_ceiling_ratio_sharded=nan decisions_per_s_max_sharded_relay=nan directory_ceiling_sharded_relay=nan "
         "directory_ceiling_ratio_relay=nan")  # no no_pin_cache or throughput_optimized point, no CPU read: nan
     assert result_line(points[3:], 32, MIB).split()[2] == "route_p99_ms_at_max=inf"  # 99/s at 32 replicas with one failure
     assert " saturated_at_concurrency=none " in result_line(points[:2], 8, MIB)
@@ -143,7 +143,7 @@ def test_result_line_without_points() -> None:
         "route_p99_ms_throughput_optimized=nan cpu_ms_per_turn_throughput_optimized=nan "
         "decisions_per_s_ratio_throughput_optimized=nan "
         "directory_ceiling_throughput_optimized=nan decisions_per_s_max_sharded_directory=nan directory_ceiling_sharded_directory=nan "
-        "directory_ceiling_ratio_sharded=nan decisions_per_s_max_sharded_no_relay=nan directory_ceiling_sharded_no_relay=nan "
+        "directory_ceiling_ratio_sharded=nan decisions_per_s_max_sharded_relay=nan directory_ceiling_sharded_relay=nan "
         "directory_ceiling_ratio_relay=nan")
 
 
@@ -267,8 +267,8 @@ def test_the_directory_ceiling_is_shards_over_the_directory_s_cpu_per_turn() -> 
     assert fields["directory_ceiling_throughput_optimized"] == "1250"  # its best point (c 8, 150/s)
     assert fields["decisions_per_s_max_sharded_directory"] == "160.0" and fields["directory_ceiling_sharded_directory"] == "1600"
     assert fields["directory_ceiling_ratio_sharded"] == "1.600"  # against throughput_optimized at (8, 32): 1600 / 1000
-    assert fields["directory_ceiling_ratio_relay"] == "nan"  # no sharded_no_relay point
-    points.append(at(32, 150, 2.0, "sharded_no_relay"))
+    assert fields["directory_ceiling_ratio_relay"] == "nan"  # no sharded_relay point
+    points.append(at(32, 170, 1.0, "sharded_relay"))
     fields = dict(kv.split("=") for kv in result_line(points, 8, MIB).split()[1:])
-    assert fields["decisions_per_s_max_sharded_no_relay"] == "150.0" and fields["directory_ceiling_sharded_no_relay"] == "1000"
-    assert fields["directory_ceiling_ratio_relay"] == "1.600"  # the relayed ceiling at the same (8, 32) over the direct one
+    assert fields["decisions_per_s_max_sharded_relay"] == "170.0" and fields["directory_ceiling_sharded_relay"] == "2000"
+    assert fields["directory_ceiling_ratio_relay"] == "1.250"  # over sharded_directory at the same (8, 32): 2000 / 1600

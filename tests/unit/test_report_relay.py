@@ -136,3 +136,29 @@ def test_a_replica_whose_home_shard_is_down_reports_to_the_others_directly() -> 
     assert len([r for r in direct if not r.conversations_complete]) == 3  # every report reached shard 1 anyway
     assert [r.replica_id for r in shards[1]._state.live("decode", time.monotonic())] == [rid]
     assert shards[1]._state._held.exact(rid)
+
+
+def test_a_flush_that_fails_does_not_stop_the_relay() -> None:
+    shards, handles = two_shards()
+    peers = shards[0]._peers
+    failures = []
+
+    def flaky() -> dict[int, Any]:
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("the peer's handle could not be looked up yet")
+        return peers
+
+    shards[0]._peer_handles = flaky  # type: ignore[method-assign]
+    client = DirectoryShards(handles, relay=True)
+    rid = next(r for r in decoders_homed_on_each_shard() if shard_of(r, 2) == 0)
+    held = {rid: HeldConversations()}
+
+    async def go() -> None:
+        for k in range(3):
+            report_round(client, held, float(k))
+            await asyncio.sleep(3 * PERIOD_S)
+
+    asyncio.run(go())
+    assert failures == [1] and shards[1]._state.totals["reports_relayed_in"] >= 1  # the flush after the failed one went through
+    assert [r.replica_id for r in shards[1]._state.live("decode", time.monotonic())] == [rid]

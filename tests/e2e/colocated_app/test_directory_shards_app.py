@@ -54,7 +54,7 @@ def test_each_shard_routes_its_own_conversations_and_pins_hold(url: str) -> None
     opened = [a["conversations_total"] - b["conversations_total"] for a, b in zip(after["shards"], before["shards"], strict=True)]
     assert opened == expected, (opened, expected)  # each conversation was opened on the shard its id hashes to
     assert after["conversations_total"] - before["conversations_total"] == CONVERSATIONS
-    # each engine replica reports to its home shard, which relays to the other (routing.report_relay_period_s)
+    # each engine replica reports to its home shard, which relays to the other (this folder's report_relay_period_s)
     assert after["totals"].get("reports_relayed_in", 0) > before["totals"].get("reports_relayed_in", 0)
 
 
