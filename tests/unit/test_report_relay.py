@@ -76,6 +76,16 @@ def report_round(client: DirectoryShards, held: dict[str, HeldConversations], no
                                                               dropped=(), seq=h.seq))
 
 
+def run_rounds(client: DirectoryShards, held: dict[str, HeldConversations], rounds: int) -> None:
+    """`rounds` report periods, each long enough for the shards to relay (3 relay periods)."""
+    async def go() -> None:
+        for k in range(rounds):
+            report_round(client, held, float(k))
+            await asyncio.sleep(3 * PERIOD_S)
+
+    asyncio.run(go())
+
+
 def test_the_outbox_and_the_asks_keep_what_they_are_given() -> None:
     box = ReportOutbox()
     reports = [ReplicaReport(f"d{i}", "decode") for i in range(3)]
@@ -99,12 +109,7 @@ def test_each_replica_calls_its_home_shard_only_and_every_shard_sees_every_repli
     for n, rid in enumerate(rids):
         held[rid].served(f"conv-{n}", 0.0)
 
-    async def go() -> None:
-        for k in range(4):  # the first round's asks come back in the second round's answers
-            report_round(client, held, float(k))
-            await asyncio.sleep(3 * PERIOD_S)
-
-    asyncio.run(go())
+    run_rounds(client, held, 4)  # the first round's asks come back in the second round's answers
     for i, h in enumerate(handles):
         relayed = [r.replica_id for r, kw in h.reports() if kw.get("relay")]
         assert set(relayed) == {rid for rid in rids if shard_of(rid, 2) == i}  # home reports only
@@ -126,12 +131,7 @@ def test_a_replica_whose_home_shard_is_down_reports_to_the_others_directly() -> 
     handles[0].down = True
     held = {rid: HeldConversations()}
 
-    async def go() -> None:
-        for k in range(3):
-            report_round(client, held, float(k))
-            await asyncio.sleep(3 * PERIOD_S)
-
-    asyncio.run(go())
+    run_rounds(client, held, 3)
     direct = [r for r, kw in handles[1].reports() if not kw.get("relay")]
     assert len([r for r in direct if not r.conversations_complete]) == 3  # every report reached shard 1 anyway
     assert [r.replica_id for r in shards[1]._state.live("decode", time.monotonic())] == [rid]
@@ -154,11 +154,6 @@ def test_a_flush_that_fails_does_not_stop_the_relay() -> None:
     rid = next(r for r in decoders_homed_on_each_shard() if shard_of(r, 2) == 0)
     held = {rid: HeldConversations()}
 
-    async def go() -> None:
-        for k in range(3):
-            report_round(client, held, float(k))
-            await asyncio.sleep(3 * PERIOD_S)
-
-    asyncio.run(go())
+    run_rounds(client, held, 3)
     assert failures == [1] and shards[1]._state.totals["reports_relayed_in"] >= 1  # the flush after the failed one went through
     assert [r.replica_id for r in shards[1]._state.live("decode", time.monotonic())] == [rid]
