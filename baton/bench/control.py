@@ -24,8 +24,8 @@ Memory: at the first run (the first size's first variant) the decode replicas' R
 and the fall of MemAvailable give a per-replica cost and the rest of the cluster's
 (control_stats.MemoryModel); a larger size runs only if its projection leaves >= 3 GiB free (checked before each of its runs), otherwise that run
 is recorded as skipped; a run that fails to start ends the sweep (every later run: not_tried). The
-JSON keeps each run's own RSS, the projected ceiling, and `max_replicas` (the largest size whose
-`pin_cache` run served, what `baton bench scale --replicas-json` reads).
+JSON keeps each run's own RSS, the projected ceiling, and `max_replicas` (the largest size a run of
+any variant served: what the machine held, what `baton bench scale --replicas-json` reads).
 
 Load: at each size, a sweep of closed-loop concurrency (quick: 8, 32; full: 8, 32, 128), each
 point a warm-up then a fixed window (quick 20 s, full 45 s) of multi-turn conversations
@@ -107,6 +107,7 @@ from baton.bench.control_stats import (
     best_point,
     fits,
     goal_verdict,
+    largest_served,
     live_decode_replicas,
     mem_available_bytes,
     memory_model,
@@ -329,11 +330,12 @@ def run(quick: bool, out_dir: Path, variants: str | None = None) -> dict[str, An
         points.extend(got)
         if model is None:
             model, idle_first = size_model, available
-    ran = [s["replicas"] for s in sizes if s["status"] == "ran" and s.get("served") and s["variant"] == PIN_CACHE.name]
-    max_run = max(ran) if ran else None
+    max_run = largest_served(sizes)
     ceiling = projected_ceiling(model, idle_first) if model is not None and idle_first is not None else None
-    goal = goal_verdict(points, max_run) if max_run is not None else None
-    fast = goal_verdict(points, max_run, variant=THROUGHPUT_OPTIMIZED.name) if max_run is not None else None
+    at = largest_served(sizes, PIN_CACHE.name)  # each variant's goal at the largest size it served
+    goal = goal_verdict(points, at) if at is not None else None
+    at = largest_served(sizes, THROUGHPUT_OPTIMIZED.name)
+    fast = goal_verdict(points, at, variant=THROUGHPUT_OPTIMIZED.name) if at is not None else None
     best = best_point(points)
     line = result_line(points, max_run, model.per_replica_bytes if model else None)
     report = {
@@ -347,13 +349,13 @@ def run(quick: bool, out_dir: Path, variants: str | None = None) -> dict[str, An
     (out_dir / "control.json").write_text(json.dumps(_jsonable(report), indent=2))
     if points:
         plot(points, out_dir / "control.png")
-    print(f"[control] largest size whose {PIN_CACHE.name} run served: {max_run}; "
+    print(f"[control] largest size a run served: {max_run}; "
           f"projected ceiling from per-replica RSS (3 GiB left free): {ceiling}")
     if goal is not None:
         print(f"[control] goal at {goal.replicas} replicas, {PIN_CACHE.name} (>= 2000 decisions/s, route p99 <= 10 ms): "
               f"{'met' if goal.met else 'not met'} — best within the route bound {goal.decisions_per_s:.1f}/s at concurrency {goal.concurrency}")
     if fast is not None:
-        print(f"[control] the same under {THROUGHPUT_OPTIMIZED.name}: {'met' if fast.met else 'not met'} — best within the route bound "
+        print(f"[control] goal at {fast.replicas} replicas under {THROUGHPUT_OPTIMIZED.name}: {'met' if fast.met else 'not met'} — best within the route bound "
               f"{fast.decisions_per_s:.1f}/s at concurrency {fast.concurrency}")
     print(f"[control] wrote {out_dir / 'control.json'}" + (f" and {out_dir / 'control.png'}" if points else ""))
     print(line)

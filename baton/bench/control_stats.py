@@ -314,6 +314,13 @@ def size_served(points: Sequence[PointStats], replicas: int, max_failure_share: 
     return turns > failures and failures <= max_failure_share * turns
 
 
+def largest_served(sizes: Sequence[dict], variant: str | None = None) -> int | None:
+    """The largest fleet size whose run served (its record's status "ran" and "served" true), of
+    `variant` or of any variant; None when none did."""
+    return max((s["replicas"] for s in sizes if s["status"] == "ran" and s.get("served") and variant in (None, s["variant"])),
+               default=None)
+
+
 def mem_available_bytes(meminfo: str) -> int:
     """MemAvailable from the text of /proc/meminfo (the kernel's estimate of memory that can be
     had without swapping)."""

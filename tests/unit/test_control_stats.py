@@ -220,6 +220,19 @@ def test_a_size_serves_only_when_its_turns_mostly_completed() -> None:
     assert not size_served(points, 128)  # never ran
 
 
+def test_the_machines_largest_size_counts_every_variant_that_served() -> None:
+    from baton.bench.control_stats import largest_served
+
+    sizes = [{"replicas": 8, "variant": "pin_cache", "status": "ran", "served": True},
+             {"replicas": 32, "variant": "throughput_optimized", "status": "ran", "served": True},
+             {"replicas": 64, "variant": "throughput_optimized", "status": "ran", "served": False},
+             {"replicas": 128, "variant": "throughput_optimized", "status": "skipped_memory"}]
+    assert largest_served(sizes) == 32  # the headline variant ran only at 8: the machine still held 32
+    assert largest_served(sizes, "pin_cache") == 8
+    assert largest_served(sizes, "sharded_directory") is None
+    assert largest_served([]) is None
+
+
 def test_process_cpu_seconds_counts_this_process_work() -> None:
     import os
 
