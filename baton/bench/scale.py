@@ -126,7 +126,8 @@ def run(quick: bool, out_dir: Path, calibrate: Path | None = None, cpu_steps: Pa
               f"{calibration['calibration_error_other_levels']}", flush=True)
         src = calibration["step_source"]
         if src["kind"] == "served_steps":
-            print(f"[scale] served step model: fit on {src['fit_on']['steps']} steps (per-step error {src['fit_step_error']:.3f}), "
+            print(f"[scale] served step model: fit on {src['fit_on']['steps']} steps (per-step error {src['fit_step_error']:.3f}, "
+                  f"host slowdown per busy neighbour engine {src['contention']:.3f}), "
                   f"held out {src['held_out']['steps']} (bias {src['held_out_error']}, per-step {src['held_out_step_error']})", flush=True)
         error = float(calibration["calibration_error"])
     else:

@@ -9,6 +9,8 @@ included, the scored level held out when it is the same run):
     prefill chunk of n new tokens after c in KV:  p0 + p1·n + p2·n·(c + n/2)   (linear work + attention)
     decode step of b sequences at mean context c: d0 + d1·b + d2·b·c
     a mixed step: the prefill part + the decode part without its d0 (one step's fixed cost, once)
+    on a shared host, times (1 + κ·m) with m the other engines in a step (contention.py; κ from
+    served steps only: the whole CPU fleet of conserve is one machine)
 steps.json: {"prefill": [{"tokens", "context", "seconds"}...], "decode": [{"batch", "context",
 "seconds"}...], "engine": {"max_num_batched_tokens", "max_num_seqs", "block_size",
 "kv_capacity_tokens", "bytes_per_token"}} (cpu_steps.py writes exactly this).
@@ -51,6 +53,9 @@ TEMPLATE_TOKENS = 5  # ChatML framing per message (<|im_start|>role\n ... <|im_e
 class CpuStepModel:
     prefill: tuple[float, float, float]  # p0, p1, p2
     decode: tuple[float, float, float]  # d0, d1, d2
+    # κ: a step's slowdown per other engine of the same host in a step (contention.py); 0 for an
+    # engine timed alone (cpu_steps), fitted on served steps (served_steps.py)
+    contention: float = 0.0
 
     def step_time(self, batch: StepBatch) -> StepTime:
         if batch.empty:
@@ -147,7 +152,7 @@ def simulate_conserve(
         for rep in range(w["reps"]):
             arrivals = poisson_arrivals(len(levels[k]), rate, seed=w["seed"] * 1000 + rep * 10 + k)
             convs = [to_sim(c, t, count, int(engine.get("max_model_len", 8192))) for c, t in zip(levels[k], arrivals, strict=True)]
-            fleet = Fleet(cpu_pools(policy, engine), policy, lambda _gpu: model)  # type: ignore[arg-type]
+            fleet = Fleet(cpu_pools(policy, engine), policy, lambda _gpu: model, host_contention=model.contention)  # type: ignore[arg-type]
             figs = run_figures(fleet.run(convs, until_s=arrivals[-1] + 600.0).runs)
             for name in per_rep:
                 value = getattr(figs, name)
@@ -203,7 +208,7 @@ def run_calibration(conserve_json: Path, steps_json: Path | None = None, served_
         "rate": rate,
         "measured": measured,
         "simulated": sim,
-        "step_model": {"prefill": model.prefill, "decode": model.decode},
+        "step_model": {"prefill": model.prefill, "decode": model.decode, "contention": model.contention},
         "step_source": source,
         "calibration_error": calibration_error(sim, measured),
         "calibration_error_other_levels": by_rate,

@@ -29,6 +29,7 @@ from baton.engine.simulated.outputs import placeholder_token
 from baton.engine.simulated.request import SimRequest
 from baton.engine.simulated.scheduler import Scheduler, SchedulerLimits
 from baton.engine.simulated.timing import StepBatch, StepTime
+from baton.sim.contention import SharedHost
 from kv_transfer.ledger import TransferLedger
 from router.report import ReplicaReport
 
@@ -88,8 +89,10 @@ class Outcome:
 class DesEngine:
     """One engine: owns its scheduler and its busy time; requests complete as simpy events."""
 
-    def __init__(self, env: simpy.Environment, replica_id: str, pool: str, shape: EngineShape, timer: StepTimer):
+    def __init__(self, env: simpy.Environment, replica_id: str, pool: str, shape: EngineShape, timer: StepTimer,
+                 host: SharedHost | None = None):
         self.env, self.replica_id, self.pool, self.shape, self.timer = env, replica_id, pool, shape, timer
+        self.host = host  # engines sharing a machine slow each other (contention.py); None: a device of its own
         block_bytes = shape.block_size * shape.bytes_per_token
         self.handoff = SimHandoff(HandoffLink(shape.link_gbps, block_bytes), HandoffLink(shape.inject_gbps, block_bytes))
         blocks = max(2, shape.kv_capacity_tokens // shape.block_size + 1)  # + the null block
@@ -123,9 +126,13 @@ class DesEngine:
             step = sched.schedule()
             if step.num_scheduled_tokens:
                 t = self.timer.step_time(sched.batch_of(step)).seconds
+                if self.host is not None:
+                    t *= self.host.begin(self.replica_id)
                 self.busy_s += t
                 self.steps += 1
                 yield self.env.timeout(t)
+                if self.host is not None:
+                    self.host.end(self.replica_id)
             else:
                 due = sched.next_event_at()
                 self._wake = self.env.event()

@@ -22,6 +22,7 @@ from typing import Any
 
 import simpy
 
+from baton.sim.contention import SharedHost
 from baton.sim.engine import INJECT, DesEngine, EngineShape, StepTimer
 from baton.sim.slo import ConversationRun
 from baton.sim.workloads import Conversation
@@ -72,13 +73,16 @@ class Fleet:
     """Owns the engines, the directory and the admission controller of one run."""
 
     def __init__(self, pools: Sequence[PoolSpec], policy: Policy, timer_for: Callable[[str], StepTimer],
-                 report_period_s: float = 1.0, realtime_admission: AdmissionConfig | None = None):
+                 report_period_s: float = 1.0, realtime_admission: AdmissionConfig | None = None, host_contention: float = 0.0):
         self.env = simpy.Environment()
         self.engines: dict[str, DesEngine] = {}
+        # host_contention > 0: every engine on one machine, slowing each other (contention.py; the
+        # CPU calibration); 0: each engine on a device of its own (the GPU fleets)
+        host = SharedHost(host_contention) if host_contention else None
         for pool in pools:
             for i in range(pool.count):
                 rid = f"{pool.name}-{pool.shape.gpu}-{i}"
-                self.engines[rid] = DesEngine(self.env, rid, pool.name, pool.shape, timer_for(pool.shape.gpu))
+                self.engines[rid] = DesEngine(self.env, rid, pool.name, pool.shape, timer_for(pool.shape.gpu), host)
         self.directory = DirectoryState(DirectorySettings(policy=policy))
         self.admission = AIMDController(realtime_admission or AdmissionConfig(target_p99_ms=450.0, initial_cap=8 * len(self.engines),
                                                                               max_cap=10_000))

@@ -14,7 +14,11 @@ and is not cost.
 Fit (least squares, every coefficient kept >= 0 by dropping the most negative one and refitting):
     a step with prefill chunks:   p0 + Σ_chunks (p1·n + p2·n·(c + n/2)) + Σ_decodes (d1 + d2·c)
     a decode-only step:           d0 + Σ_decodes (d1 + d2·c)
-the same form as calibrate.CpuStepModel.step_time (n new tokens after c in KV; c a decode's context).
+the same form as calibrate.CpuStepModel.step_time (n new tokens after c in KV; c a decode's context),
+times the host's slowdown 1 + κ·m (contention.py), m the other engines of the same served app (the
+traces of one r<rep>-<policy> directory) in a step when this one started. κ and the coefficients are
+fitted by alternating least squares: the coefficients on the times divided by (1 + κ·m), then κ on
+what the base leaves over, until κ settles.
 
 Held out: the steps inside the time windows of the load levels being scored ("clock" of each level
 in conserve.json) are left out of the fit and only used to check it. Two errors, each over a set of
@@ -26,10 +30,11 @@ and the per-step error Σ |predicted − observed| / Σ observed (`fit_step_erro
 
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +42,11 @@ import numpy as np
 
 from baton.engine.simulated.timing import PrefillChunk, StepBatch
 from baton.sim.calibrate import CpuStepModel
+from baton.sim.contention import slowdown
 from baton.sim.cpu_steps import SMOLLM2_KV_BYTES_PER_TOKEN
 
 GAP_MAX_S = 0.05  # a gap longer than this between two steps is idle waiting, not loop work
+KAPPA_ROUNDS = 50  # alternating rounds at most; κ settles to 1e-9 within ~20 on conserve's traces
 ENGINE_KEYS = ("block_size", "kv_capacity_tokens", "max_num_seqs", "max_num_batched_tokens")
 
 
@@ -49,6 +56,7 @@ class Step:
     seconds: float  # engine.step() + the loop's gap before it (when under GAP_MAX_S)
     prefills: tuple[tuple[int, int], ...]  # (new tokens, context before)
     decodes: tuple[int, ...]  # contexts
+    neighbours: int = 0  # other engines of the same app in a step when this one started
 
 
 @dataclass(frozen=True)
@@ -83,15 +91,33 @@ def load_served_steps(run_dir: Path) -> ServedSteps:
         raise ValueError(f"no step traces under {run_dir / 'steps'} (a `bench conserve` run writes them since engine.step_trace_dir)")
     steps: list[Step] = []
     shapes = set()
-    for f in files:
-        header, got = read_trace(f)
-        shapes.add(tuple(header.get(k) for k in ENGINE_KEYS))
-        steps += got
+    for app in sorted({f.parent for f in files}):  # one served app: its engines shared the machine
+        traces = []
+        for f in sorted(app.glob("*.jsonl")):
+            header, got = read_trace(f)
+            shapes.add(tuple(header.get(k) for k in ENGINE_KEYS))
+            traces.append(got)
+        steps += with_neighbours(traces)
     if len(shapes) != 1 or None in next(iter(shapes)):
         raise ValueError(f"the traced engines under {run_dir} differ in shape or do not say it: {sorted(map(str, shapes))}")
     engine = dict(zip(ENGINE_KEYS, next(iter(shapes)), strict=True))
     engine.update(bytes_per_token=SMOLLM2_KV_BYTES_PER_TOKEN, max_model_len=8192)
     return ServedSteps(tuple(sorted(steps, key=lambda s: s.t)), engine, len(files))
+
+
+def with_neighbours(traces: Sequence[Sequence[Step]]) -> list[Step]:
+    """Every step of the engines of one app (one time-ordered list per engine), each with the number
+    of the other engines in a step when it started."""
+    starts = [[s.t for s in tr] for tr in traces]
+    out = []
+    for k, trace in enumerate(traces):
+        for s in trace:
+            busy = 0
+            for j, other in enumerate(traces):
+                i = bisect.bisect_right(starts[j], s.t) - 1
+                busy += j != k and i >= 0 and other[i].t + other[i].seconds > s.t
+            out.append(replace(s, neighbours=busy))
+    return out
 
 
 def level_windows(conserve: dict[str, Any], rate: float) -> list[tuple[float, float]]:
@@ -145,13 +171,26 @@ def fit(steps: Sequence[Step]) -> CpuStepModel:
     if not any(s.prefills for s in steps) or not any(s.decodes and not s.prefills for s in steps):
         raise ValueError(f"the fit needs prefill and decode-only steps; got {len(steps)} steps")
     a = np.array([features(s) for s in steps])
-    p0, d0, p1, p2, d1, d2 = (float(x) for x in nonneg_lstsq(a, np.array([s.seconds for s in steps])))
-    return CpuStepModel((p0, p1, p2), (d0, d1, d2))
+    y = np.array([s.seconds for s in steps])
+    m = np.array([float(s.neighbours) for s in steps])
+    kappa = 0.0
+    for _ in range(KAPPA_ROUNDS):
+        coef = nonneg_lstsq(a * (1.0 + kappa * m)[:, None], y)
+        lift = (a @ coef) * m  # what one unit of κ adds to each step
+        new = max(0.0, float(np.dot(y - a @ coef, lift) / np.dot(lift, lift))) if np.any(lift) else 0.0
+        settled = abs(new - kappa) < 1e-9
+        kappa = new
+        if settled:
+            break
+    coef = nonneg_lstsq(a * (1.0 + kappa * m)[:, None], y)
+    p0, d0, p1, p2, d1, d2 = (float(x) for x in coef)
+    return CpuStepModel((p0, p1, p2), (d0, d1, d2), kappa)
 
 
 def predict(model: CpuStepModel, s: Step) -> float:
-    """The model's time for the step's batch: the simulator's own step_time."""
-    return model.step_time(StepBatch(tuple(PrefillChunk(n, c) for n, c in s.prefills), s.decodes)).seconds
+    """The model's time for the step's batch and neighbours: the simulator's own step_time and slowdown."""
+    base = model.step_time(StepBatch(tuple(PrefillChunk(n, c) for n, c in s.prefills), s.decodes)).seconds
+    return base * slowdown(model.contention, s.neighbours)
 
 
 def summed_error(model: CpuStepModel, steps: Sequence[Step]) -> float:
@@ -171,6 +210,7 @@ def describe(steps: Sequence[Step]) -> dict[str, Any]:
     one = [s.seconds for s in decodes if len(s.decodes) == 1]
     return {
         "steps": len(steps),
+        "with_neighbour_busy": sum(s.neighbours > 0 for s in steps),
         "with_prefill": len(steps) - len(decodes),
         "decode_only": len(decodes),
         "decode_batch_mean": statistics.fmean(len(s.decodes) for s in decodes) if decodes else None,
@@ -188,6 +228,7 @@ def served_step_model(run_dir: Path, held_out: Sequence[tuple[float, float]]) ->
         "files": served.files,
         "fit_on": describe(train),
         "held_out": describe(test),
+        "contention": model.contention,
         "fit_step_error": step_error(model, train),
         "held_out_error": summed_error(model, test) if test else None,
         "held_out_step_error": step_error(model, test) if test else None,

@@ -44,6 +44,35 @@ def test_the_fit_recovers_the_model_the_steps_were_timed_by():
     assert ss.summed_error(fit, held) == pytest.approx(0.0, abs=1e-9)
 
 
+def test_the_fit_recovers_the_hosts_slowdown_with_the_model():
+    rng = random.Random(11)
+    truth = CpuStepModel(TRUE.prefill, TRUE.decode, contention=0.3)
+    steps = [ss.Step(s.t, 0.0, s.prefills, s.decodes, rng.choice((0, 0, 1, 2))) for s in synthetic_steps(400, seed=10)]
+    steps = [ss.Step(s.t, ss.predict(truth, s), s.prefills, s.decodes, s.neighbours) for s in steps]
+    fit = ss.fit(steps)
+    assert fit.contention == pytest.approx(0.3, rel=1e-5)
+    for got, want in zip(fit.prefill + fit.decode, TRUE.prefill + TRUE.decode, strict=True):
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-10)
+    alone = [ss.Step(s.t, s.seconds, s.prefills, s.decodes) for s in synthetic_steps(100, seed=12)]
+    assert ss.fit(alone).contention == 0.0  # nobody beside the engine: nothing to fit, κ stays 0
+    # neighbours that do not slow anything: κ is 0, not negative
+    noise = [ss.Step(s.t, s.seconds, s.prefills, s.decodes, rng.choice((0, 1))) for s in synthetic_steps(300, seed=13)]
+    assert ss.fit(noise).contention == pytest.approx(0.0, abs=1e-9)
+
+
+def test_neighbours_are_the_other_engines_of_the_same_app_in_a_step_at_its_start(tmp_path: Path):
+    a = [ss.Step(0.0, 0.10, (), (100,)), ss.Step(0.10, 0.10, (), (101,)), ss.Step(0.50, 0.10, ((64, 0),), ())]
+    b = [ss.Step(0.05, 0.10, (), (200,)), ss.Step(0.30, 0.10, (), (201,))]
+    got = {(s.t, s.neighbours) for s in ss.with_neighbours([a, b])}
+    assert got == {(0.0, 0), (0.10, 1), (0.50, 0), (0.05, 1), (0.30, 0)}
+    # the same traces in two app runs (two directories): engines of different runs never overlap
+    write_trace(tmp_path / "steps" / "r0-colocated" / "decode-1.jsonl", a)
+    write_trace(tmp_path / "steps" / "r0-colocated" / "decode-2.jsonl", b)
+    write_trace(tmp_path / "steps" / "r1-colocated" / "decode-3.jsonl", b)
+    loaded = ss.load_served_steps(tmp_path)
+    assert sorted(s.neighbours for s in loaded.steps) == [0, 0, 0, 0, 0, 1, 1]
+
+
 def test_no_coefficient_goes_negative_and_the_form_matches_the_simulators_engine():
     from baton.engine.simulated.timing import PrefillChunk, StepBatch
 
