@@ -111,6 +111,10 @@ def _fmt(x: float | None) -> str:
     return "nan" if x is None or math.isnan(x) else f"{x:.3f}"
 
 
+def _ratios(r: dict[str, float]) -> str:
+    return ", ".join(f"{p} {x:.3f}" for p, x in sorted(r.items()))
+
+
 def run(quick: bool, out_dir: Path, calibrate: Path | None = None, cpu_steps: Path | None = None,
         served_steps: Path | None = None, replicas_json: Path | None = None) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -124,6 +128,9 @@ def run(quick: bool, out_dir: Path, calibrate: Path | None = None, cpu_steps: Pa
               f"measured {calibration['measured']} simulated {calibration['simulated']}", flush=True)
         print(f"[scale] calibration_error {calibration['calibration_error']:.3f}; at the other levels "
               f"{calibration['calibration_error_other_levels']}", flush=True)
+        r = calibration["ttfet_p95_ratios"]
+        print(f"[scale] conversation's p95 TTFET over each policy's: measured {_ratios(r['measured'])}; simulated {_ratios(r['simulated'])}; "
+              + "; ".join(f"simulated at {k} conv/s {_ratios(v)}" for k, v in calibration["ttfet_p95_ratios_projected"].items()), flush=True)
         src = calibration["step_source"]
         if src["kind"] == "served_steps":
             print(f"[scale] served step model: fit on {src['fit_on']['steps']} steps (per-step error {src['fit_step_error']:.3f}, "

@@ -24,7 +24,9 @@ max_tokens long (SmolLM2 may stop earlier: the simulator's TTFET is then an uppe
 calibration_error = max over policies and over {p50, p95} of |sim − measured| / measured, at
 conserve's headline load level (its JSON's "headline"."rate"); the same error at every other level
 is reported beside it (`calibration_error_other_levels`: with served steps of the same run, those
-levels' steps were fitted on).
+levels' steps were fitted on). Beside the error: conversation's p95 TTFET over each other policy's,
+measured and simulated (`ttfet_p95_ratios`), and simulated at 2× and 4× the headline load
+(`ttfet_p95_ratios_projected`: the same conversations arriving faster on the same engines).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from baton.sim.slo import run_figures
 
 CPU_NIXL_GBPS = 3.0 * 8 * 1.0737  # NIXL/UCX DRAM loopback measured here: 2.4-4.5 GiB/s (DESIGN.md); 3 GiB/s
 TEMPLATE_TOKENS = 5  # ChatML framing per message (<|im_start|>role\n ... <|im_end|>\n)
+PROJECTED_LOAD_FACTORS = (2.0, 4.0)  # loads beyond conserve's headline the calibrated simulator is run at
 
 
 @dataclass(frozen=True)
@@ -137,8 +140,10 @@ def simulate_conserve(
     trace: Sequence[Any],
     policies: Sequence[str],
     rate: float | None = None,
+    arrival_rate: float | None = None,
 ) -> dict[str, dict[str, float]]:
-    """policy -> {ttfet_p50_s, ttfet_p95_s}, medians over conserve's repetitions, at `rate` (default: the headline rate)."""
+    """policy -> {ttfet_p50_s, ttfet_p95_s}, medians over conserve's repetitions, at `rate` (default: the headline rate).
+    arrival_rate: the conversations of that level arriving at another rate (a load conserve did not run)."""
     from baton.bench.conserve_load import poisson_arrivals, split_levels
 
     w = conserve["workload"]
@@ -146,11 +151,12 @@ def simulate_conserve(
     levels = split_levels(trace, len(rates), w["per_level"])
     rate = float(conserve["headline"]["rate"]) if rate is None else float(rate)
     k = rates.index(rate)
+    arrival_rate = rate if arrival_rate is None else float(arrival_rate)
     out: dict[str, dict[str, float]] = {}
     for policy in policies:
         per_rep: dict[str, list[float]] = {"ttfet_p50_s": [], "ttfet_p95_s": []}
         for rep in range(w["reps"]):
-            arrivals = poisson_arrivals(len(levels[k]), rate, seed=w["seed"] * 1000 + rep * 10 + k)
+            arrivals = poisson_arrivals(len(levels[k]), arrival_rate, seed=w["seed"] * 1000 + rep * 10 + k)
             convs = [to_sim(c, t, count, int(engine.get("max_model_len", 8192))) for c, t in zip(levels[k], arrivals, strict=True)]
             fleet = Fleet(cpu_pools(policy, engine), policy, lambda _gpu: model, host_contention=model.contention)  # type: ignore[arg-type]
             figs = run_figures(fleet.run(convs, until_s=arrivals[-1] + 600.0).runs)
@@ -160,6 +166,12 @@ def simulate_conserve(
                     per_rep[name].append(value)
         out[policy] = {name: statistics.median(v) for name, v in per_rep.items() if v}
     return out
+
+
+def ttfet_ratios(figs: dict[str, dict[str, float]], of: str = "conversation") -> dict[str, float]:
+    """p95 TTFET of `of` over each other policy's (the ratios `bench conserve`'s RESULT reports)."""
+    base = figs.get(of, {}).get("ttfet_p95_s")
+    return {p: base / f["ttfet_p95_s"] for p, f in figs.items() if p != of and base and f.get("ttfet_p95_s")}
 
 
 def token_counter() -> Callable[[str], int]:
@@ -204,10 +216,18 @@ def run_calibration(conserve_json: Path, steps_json: Path | None = None, served_
         if other != rate:
             measured_there = measured_ttfets(conserve, other)[1]
             by_rate[other] = calibration_error(simulate_conserve(conserve, model, engine, count, trace, sorted(measured_there), rate=other), measured_there)
+    # the calibrated simulator beyond the loads conserve ran: the headline level's conversations
+    # arriving PROJECTED_LOAD_FACTORS times faster, on the same two engines
+    projected = {
+        f"{rate * f:g}": ttfet_ratios(simulate_conserve(conserve, model, engine, count, trace, sorted(measured), arrival_rate=rate * f))
+        for f in PROJECTED_LOAD_FACTORS
+    }
     return {
         "rate": rate,
         "measured": measured,
         "simulated": sim,
+        "ttfet_p95_ratios": {"measured": ttfet_ratios(measured), "simulated": ttfet_ratios(sim)},
+        "ttfet_p95_ratios_projected": projected,
         "step_model": {"prefill": model.prefill, "decode": model.decode, "contention": model.contention},
         "step_source": source,
         "calibration_error": calibration_error(sim, measured),

@@ -198,3 +198,31 @@ def test_run_calibration_scores_the_served_step_model_against_conserve(tmp_path:
     twice = {1.2: {k: 2 * v for k, v in sim.items()}, 0.3: as_simulated[0.3]}
     assert run_calibration(_conserve_json(tmp_path / "conserve.json", twice, clocks), served_steps=tmp_path)["calibration_error"] == pytest.approx(0.5)
     assert set(again["calibration_error_other_levels"]) == {0.3} and again["calibration_error_other_levels"][0.3] > 0
+    assert again["ttfet_p95_ratios"] == {"measured": {}, "simulated": {}}  # one policy: nothing to compare it with
+    assert set(again["ttfet_p95_ratios_projected"]) == {"2.4", "4.8"}
+
+
+def test_ttfet_ratios_are_conversations_p95_over_each_other_policys():
+    from baton.sim.calibrate import ttfet_ratios
+
+    figs = {"conversation": {"ttfet_p95_s": 3.0}, "per_turn_pd": {"ttfet_p95_s": 6.0}, "colocated": {"ttfet_p95_s": 4.0},
+            "conditional_pd": {}}
+    assert ttfet_ratios(figs) == {"per_turn_pd": 0.5, "colocated": 0.75}
+    assert ttfet_ratios({"colocated": {"ttfet_p95_s": 4.0}}) == {}
+
+
+def test_a_faster_arrival_rate_never_shortens_the_simulated_ttfet(tmp_path: Path):
+    from baton.bench.conserve import Workload, build_trace
+    from baton.sim.calibrate import simulate_conserve
+
+    clocks = {0.3: [999.0, 1300.0], 1.2: [1999.0, 2200.0]}
+    unit = {r: {"ttfet_p50_s": 1.0, "ttfet_p95_s": 1.0} for r in clocks}
+    conserve = json.loads(_conserve_json(tmp_path / "conserve.json", unit, clocks).read_text())
+    trace = build_trace(Workload(**{**conserve["workload"], "rates": tuple(conserve["workload"]["rates"])}))
+    engine = {**HEADER["engine"], "bytes_per_token": 23_040}
+    model = CpuStepModel(TRUE.prefill, TRUE.decode, contention=0.2)
+    count = lambda text: max(1, len(text) // 4)
+    runs = [simulate_conserve(conserve, model, engine, count, trace, ["colocated"], arrival_rate=r)["colocated"] for r in (1.2, 4.8, 50.0)]
+    assert runs[0] == simulate_conserve(conserve, model, engine, count, trace, ["colocated"])["colocated"]  # the default: the level's own rate
+    assert runs[0]["ttfet_p95_s"] <= runs[1]["ttfet_p95_s"] <= runs[2]["ttfet_p95_s"]
+    assert runs[0]["ttfet_p95_s"] < runs[2]["ttfet_p95_s"]  # every conversation at once on two engines queues
