@@ -107,7 +107,8 @@ def load_served_steps(run_dir: Path) -> ServedSteps:
 
 def with_neighbours(traces: Sequence[Sequence[Step]]) -> list[Step]:
     """Every step of the engines of one app (one time-ordered list per engine), each with the number
-    of the other engines in a step when it started."""
+    of the other engines in a step when it started. A step is taken to end at its start + its cost,
+    which includes the loop's short gap before it (p50 0.2 ms in conserve's traces)."""
     starts = [[s.t for s in tr] for tr in traces]
     out = []
     for k, trace in enumerate(traces):
