@@ -28,7 +28,7 @@ class SharedHost:
 
     def begin(self, engine_id: str) -> float:
         """`engine_id` starts a step: the factor its step time is multiplied by."""
-        neighbours = len(self.busy - {engine_id})
+        neighbours = len(self.busy) - (engine_id in self.busy)
         self.busy.add(engine_id)
         return slowdown(self.contention, neighbours)
 
