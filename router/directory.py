@@ -7,17 +7,20 @@ moves and misses, not on every turn.
 
 Conversation ownership is kept in a SQLite file (`routing.ownership_db_path`, router/ownership.py),
 so a restarted directory still refuses one user's session id to another; its pins come back from
-the decoders' reports (DirectoryState.report)."""
+the decoders' reports (DirectoryState.report). New conversations' claims are written in group
+commits off the event loop (router/claim_batch.py)."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from dataclasses import asdict
 from typing import Any
 
 from ray import serve
 from ray.serve import metrics
 
+from router.claim_batch import ClaimBatcher
 from router.directory_shards import deployment_name
 from router.directory_state import DirectorySettings, DirectoryState
 from router.ownership import KnownOwners, OwnershipStore
@@ -42,7 +45,9 @@ class ConversationDirectory:
         self._peers: dict[int, Any] = {}
         self._owners = OwnershipStore(ownership_db_path)
         logger.info("conversation ownership in %s (%d conversations)", ownership_db_path, self._owners.count())
-        self._state = DirectoryState(settings, KnownOwners(self._owners))
+        owners = KnownOwners(self._owners)
+        self._state = DirectoryState(settings, owners)
+        self._claims = ClaimBatcher(owners)
         self._expiry_task: asyncio.Task | None = None
         self._live_pins = metrics.Gauge("baton_live_pins", "conversations pinned to a decoder")
         self._conversations = metrics.Counter("baton_conversations", "conversations seen")
@@ -155,7 +160,11 @@ class ConversationDirectory:
         via: the asking ingress's pin cache (router/pin_cache.py)."""
         self._ensure_expiry()
         before, fallbacks = self._state.totals["conversations"], self._state.totals["prefill_fallback_local"]
-        plan = self._state.route(session_id, user, prompt_tokens, time.monotonic(), owned=owned, cliff_horizon_s=cliff_horizon_s, via=via)
+        claimed = None
+        if owned and session_id:  # claimed in a group commit, the loop serving other calls meanwhile (router/claim_batch.py)
+            claimed = await self._claims.claim(session_id, user)
+        plan = self._state.route(session_id, user, prompt_tokens, time.monotonic(), owned=owned, cliff_horizon_s=cliff_horizon_s,
+                                 via=via, claimed=claimed)
         if self._state.totals["conversations"] > before:
             self._conversations.inc()
         if self._state.totals["prefill_fallback_local"] > fallbacks:
@@ -190,7 +199,7 @@ class ConversationDirectory:
         return info.as_json() if info is not None else None
 
     async def snapshot(self) -> dict[str, Any]:
-        return self._state.snapshot(time.monotonic())
+        return {**self._state.snapshot(time.monotonic()), "ownership_claims": asdict(self._claims.stats())}
 
 
 ConversationDirectoryDeployment = serve.deployment(

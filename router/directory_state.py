@@ -131,7 +131,7 @@ class DirectoryState:
 
     # ---- turns ----------------------------------------------------------------------------
     def route(self, session_id: str | None, user: str | None, prompt_tokens: int, now: float, *, owned: bool = True,
-              cliff_horizon_s: float | None = None, via: str | None = None) -> TurnPlan:
+              cliff_horizon_s: float | None = None, via: str | None = None, claimed: Claim | None = None) -> TurnPlan:
         """Plan a turn and record it: the pin is created (or moved) before the turn runs, so two
         ingress replicas asking at once for one new conversation get the same decoder.
         Ownership is checked (a new session id claimed for `user`) before placement, so a
@@ -139,10 +139,13 @@ class DirectoryState:
         Raises ForeignConversation when the session id belongs to another user. owned=False skips
         the ownership store (server-made ids of real-time sessions: their connection is the key).
         cliff_horizon_s: a new session avoids decoders whose KV cliff is closer than this, while any other is live.
-        via: the asking ingress's pin cache (its own change is not sent back to it)."""
+        via: the asking ingress's pin cache (its own change is not sent back to it).
+        claimed: the caller already claimed the session id for `user` (router/claim_batch.py's group commit)."""
         s = self.settings
         session_id = session_id or None
-        claim = self._owners.claim(session_id, user) if owned and session_id is not None else None
+        claim = None
+        if owned and session_id is not None:
+            claim = claimed if claimed is not None else self._owners.claim(session_id, user)
         if claim is Claim.FOREIGN:
             # a conversation belongs to the user who opened it; to anyone else it does not exist
             self.totals["foreign_session_refused"] += 1

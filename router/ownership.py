@@ -27,7 +27,7 @@ import sqlite3
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -83,6 +83,34 @@ class OwnershipStore:
             (owner,) = self._db.execute("SELECT user FROM conversations WHERE session_id = ?", (session_id,)).fetchone()
         return Claim.OWNED if owner == who else Claim.FOREIGN
 
+    def claim_many(self, items: Sequence[tuple[str, str | None]]) -> list[Claim]:
+        """`claim` of each (session id, user), in order, in ONE transaction: one write to disk
+        (one fsync under synchronous=FULL) for the whole batch, which is what lets the directory
+        commit claims in groups (router/claim_batch.py). A session id twice in a batch: the first
+        opens it, the second sees that owner. All or nothing: on an error none is committed."""
+        if any(not sid for sid, _ in items):
+            raise ValueError("session id must be non-empty")
+        out: list[Claim] = []
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                now = self._clock()
+                for sid, user in items:
+                    who = user or ""
+                    cur = self._db.execute("INSERT OR IGNORE INTO conversations (session_id, user, opened) VALUES (?, ?, ?)",
+                                           (sid, who, now))
+                    if cur.rowcount == 1:
+                        out.append(Claim.OPENED)
+                        continue
+                    (owner,) = self._db.execute("SELECT user FROM conversations WHERE session_id = ?", (sid,)).fetchone()
+                    out.append(Claim.OWNED if owner == who else Claim.FOREIGN)
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:  # a failed COMMIT may have ended it already
+                    self._db.execute("ROLLBACK")
+                raise
+        return out
+
     def owner(self, session_id: str) -> Owner | None:
         with self._lock:
             row = self._db.execute("SELECT user, opened FROM conversations WHERE session_id = ?", (session_id,)).fetchone()
@@ -119,15 +147,25 @@ class KnownOwners:
 
     def claim(self, session_id: str, user: str | None) -> Claim:
         """As OwnershipStore.claim, without touching the file for a conversation seen lately."""
-        who = user or ""
-        known = self._owners.get(session_id)
+        known = self.known(session_id, user)
         if known is not None:
-            self._owners.move_to_end(session_id)
-            return Claim.OWNED if known == who else Claim.FOREIGN
+            return known
         claim = self.store.claim(session_id, user)
-        if claim is not Claim.FOREIGN:  # a stranger's attempt is rare: it is not worth a second read
-            self._remember(session_id, who)
+        self.claimed(session_id, user, claim)
         return claim
+
+    def known(self, session_id: str, user: str | None) -> Claim | None:
+        """The claim's answer from the cache alone (OWNED or FOREIGN); None: the file must be asked."""
+        known = self._owners.get(session_id)
+        if known is None:
+            return None
+        self._owners.move_to_end(session_id)
+        return Claim.OWNED if known == (user or "") else Claim.FOREIGN
+
+    def claimed(self, session_id: str, user: str | None, claim: Claim) -> None:
+        """Cache what the store answered to a claim (made here or by a group commit)."""
+        if claim is not Claim.FOREIGN:  # a stranger's attempt is rare: it is not worth a second read
+            self._remember(session_id, user or "")
 
     def owner(self, session_id: str) -> str | None:
         """The owner ("" = anonymous), or None when nobody owns the session id."""

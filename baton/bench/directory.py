@@ -19,11 +19,14 @@ placement's cost still grows with the pins (1.0: it does not).
 
 Then what one decoder's report costs a shard (baton/bench/directory_reports.py): its held
 conversations listed in full, as every report did before deltas, or as a delta, at 1 and 2 shards.
+Then new conversations whose ownership goes to a real SQLite file (baton/bench/directory_claims.py):
+claimed one by one on the event loop, or in group commits off it (router/claim_batch.py).
 
 RESULT: `route_new_us_at_<R>` and `route_pinned_us_at_<R>` at the largest fleet and most pins,
 `ceiling_new_per_s_at_<R>`, `pins_growth`, `replicas_growth` (new conversation, largest fleet
 over smallest, at the fewest pins), `report_us_complete_shards2` and `report_us_delta_shards2`
-(a decoder holding MAX_REPORTED_CONVERSATIONS conversations, 2 shards)."""
+(a decoder holding MAX_REPORTED_CONVERSATIONS conversations, 2 shards), and directory_claims.result_fields
+(durable new conversations/s and a pinned turn's p99 meanwhile, one by one vs group commit)."""
 from __future__ import annotations
 
 import json
@@ -34,7 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from baton.bench import directory_reports
+from baton.bench import directory_claims, directory_reports
 from baton.bench.directory_reports import ReportCost
 from router.directory_state import DirectorySettings, DirectoryState
 from router.pin_cache import Touch
@@ -47,6 +50,7 @@ REPORT_CALLS = 50  # reports per timed batch (the report phase)
 # decoders reporting each second send one per 16 decisions at 2,000 decisions/s
 REPORT_EVERY = 16
 REPORT_SHARDS = (1, 2)
+CLAIM_CONVERSATIONS, CLAIM_CONVERSATIONS_QUICK = 4000, 2000  # new conversations per durable-claims run
 
 
 @dataclass(frozen=True)
@@ -193,9 +197,18 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         print(f"[directory] a decoder holding {r.held} conversations reports to shard 0 of {shards}: complete list "
               f"{r.complete_us[0]:7.1f} us ({r.complete_us[1]:.1f}-{r.complete_us[2]:.1f}, {r.complete_bytes} bytes), delta of "
               f"{directory_reports.DELTA_SERVED} {r.delta_us[0]:6.1f} us ({r.delta_us[1]:.1f}-{r.delta_us[2]:.1f}, {r.delta_bytes} bytes)", flush=True)
-    line = result_line(points, reports)
+    conversations = CLAIM_CONVERSATIONS_QUICK if quick else CLAIM_CONVERSATIONS
+    claim_points, claim_runs = directory_claims.measure(conversations)
+    for c in claim_points:
+        batch = f", {c.mean_batch:.1f} claims per write" if c.mean_batch is not None else ""
+        print(f"[directory] durable claims, {c.mode:10s} {c.callers:>3} callers: {c.new_per_s[0]:7.0f} new conversations/s "
+              f"({c.new_per_s[1]:.0f}-{c.new_per_s[2]:.0f}); a pinned turn meanwhile p50 {c.probe_p50_ms:.2f} ms, p99 "
+              f"{c.probe_p99_ms[0]:.2f} ms ({c.probe_p99_ms[1]:.2f}-{c.probe_p99_ms[2]:.2f}){batch}", flush=True)
+    line = result_line(points, reports) + directory_claims.result_fields(claim_points)
     report = {"quick": quick, "grid": asdict(g), "repeats": REPEATS, "sync_touches": SYNC_TOUCHES,
-              "points": [asdict(p) for p in points], "reports": [asdict(r) for r in reports], "result": line}
+              "points": [asdict(p) for p in points], "reports": [asdict(r) for r in reports],
+              "durable_claims": {"conversations": conversations, "points": [asdict(c) for c in claim_points],
+                                 "runs": [asdict(r) for r in claim_runs]}, "result": line}
     (out_dir / "directory.json").write_text(json.dumps(report, indent=2))
     _plot(points, out_dir / "directory.png")
     print(f"[directory] wrote {out_dir / 'directory.json'} and {out_dir / 'directory.png'}")

@@ -1,0 +1,163 @@
+"""Group commit of ownership claims (router/claim_batch.py, OwnershipStore.claim_many): one
+transaction per batch, answers as the one-by-one claims would give, the directory's event loop
+free while a batch is written, a failed write failing only its own batch."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from router.claim_batch import ClaimBatcher
+from router.directory_state import DirectorySettings, ForeignConversation
+from router.ownership import Claim, KnownOwners, OwnershipStore
+from router.report import ReplicaReport
+
+with warnings.catch_warnings():  # Ray Serve's own pydantic models warn on import
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from router.directory import ConversationDirectory
+
+
+class CountingStore(OwnershipStore):
+    """Counts transactions; `gate` (when set) holds each batch until the test opens it."""
+
+    def __init__(self, path: str | Path, gate: threading.Event | None = None):
+        super().__init__(path)
+        self.batches: list[int] = []
+        self.gate = gate
+        self.entered = threading.Event()
+
+    def claim_many(self, items: Sequence[tuple[str, str | None]]) -> list[Claim]:
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(5.0), "the test never opened the gate"
+        self.batches.append(len(items))
+        return super().claim_many(items)
+
+
+def test_claim_many_answers_as_claims_one_by_one_in_one_transaction(tmp_path: Path) -> None:
+    s = OwnershipStore(tmp_path / "own.db")
+    assert s.claim("old", "ana") is Claim.OPENED
+    got = s.claim_many([("a", "ana"), ("a", "ana"), ("a", "bob"), ("old", "ana"), ("old", None), ("b", None)])
+    assert got == [Claim.OPENED, Claim.OWNED, Claim.FOREIGN, Claim.OWNED, Claim.FOREIGN, Claim.OPENED]
+    s.close()
+    again = OwnershipStore(tmp_path / "own.db")  # committed: a restarted directory sees them
+    assert again.count() == 3 and again.claim("a", "bob") is Claim.FOREIGN and again.claim("b", "") is Claim.OWNED
+
+
+def test_a_failed_batch_commits_none_of_its_claims(tmp_path: Path) -> None:
+    calls = {"n": 0}
+
+    def clock() -> float:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("clock gone")
+        return 1.0
+
+    s = OwnershipStore(tmp_path / "own.db", clock=clock)
+    assert s.claim("first", "ana") is Claim.OPENED  # clock call 1
+    with pytest.raises(OSError):
+        s.claim_many([("x", "ana"), ("y", "ana")])  # clock call 2 fails inside the transaction
+    assert s.count() == 1 and s.owner("x") is None  # rolled back
+    assert s.claim_many([("x", "bob")]) == [Claim.OPENED]  # and the connection still writes
+    with pytest.raises(ValueError, match="non-empty"):
+        s.claim_many([("z", "ana"), ("", "ana")])
+    assert s.owner("z") is None
+
+
+def test_concurrent_claims_share_transactions_and_get_the_right_answers(tmp_path: Path) -> None:
+    gate = threading.Event()
+    store = CountingStore(tmp_path / "own.db", gate)
+    owners = KnownOwners(store)
+    batcher = ClaimBatcher(owners)
+
+    async def go() -> list[Claim]:
+        first = asyncio.ensure_future(batcher.claim("c0", "ana"))  # starts the first flush, held at the gate
+        await asyncio.to_thread(store.entered.wait, 5.0)
+        rest = [asyncio.ensure_future(batcher.claim(f"c{i}", "ana")) for i in range(1, 40)]
+        rest.append(asyncio.ensure_future(batcher.claim("c0", "bob")))  # a stranger, in the same next batch
+        await asyncio.sleep(0)
+        batcher.check_integrity()
+        gate.set()
+        return [await first] + list(await asyncio.gather(*rest))
+
+    got = asyncio.run(go())
+    assert got[:40] == [Claim.OPENED] * 40 and got[40] is Claim.FOREIGN
+    assert store.batches == [1, 40]  # the claims that came during the first write went in one more
+    st = batcher.stats()
+    assert (st.flushes, st.claims_committed, st.largest_batch, st.flush_errors) == (2, 41, 40, 0)
+    assert asyncio.run(batcher.claim("c7", "ana")) is Claim.OWNED  # now from the cache: no third write
+    assert store.batches == [1, 40] and batcher.stats().claims_cached == 1
+    assert owners.cached("c7") == "ana" and owners.cached("c0") == "ana"
+    batcher.check_integrity()
+
+
+def test_the_loop_serves_other_calls_while_a_batch_is_written(tmp_path: Path) -> None:
+    gate = threading.Event()
+    store = CountingStore(tmp_path / "own.db")
+    owners = KnownOwners(store)
+    batcher = ClaimBatcher(owners)
+    assert asyncio.run(batcher.claim("known", "ana")) is Claim.OPENED
+    store.gate = gate
+
+    async def go() -> tuple[Claim, bool, Claim]:
+        new = asyncio.ensure_future(batcher.claim("new", "ana"))
+        await asyncio.to_thread(store.entered.wait, 5.0)
+        store.entered.clear()
+        cached = await batcher.claim("known", "ana")  # answered while the write still waits at the gate
+        waiting = not new.done()
+        gate.set()
+        return cached, waiting, await new
+
+    cached, waiting, new = asyncio.run(go())
+    assert cached is Claim.OWNED and waiting and new is Claim.OPENED
+
+
+def test_a_failed_write_fails_its_batch_only(tmp_path: Path) -> None:
+    class FailOnce(CountingStore):
+        failed = False
+
+        def claim_many(self, items: Sequence[tuple[str, str | None]]) -> list[Claim]:
+            if not self.failed:
+                self.failed = True
+                raise OSError("disk full")
+            return super().claim_many(items)
+
+    store = FailOnce(tmp_path / "own.db")
+    batcher = ClaimBatcher(KnownOwners(store))
+
+    async def go() -> tuple[BaseException | Claim, Claim]:
+        bad = await asyncio.gather(batcher.claim("a", "ana"), return_exceptions=True)
+        return bad[0], await batcher.claim("b", "ana")
+
+    bad, good = asyncio.run(go())
+    assert isinstance(bad, OSError) and good is Claim.OPENED
+    assert store.owner("a") is None and batcher.stats().flush_errors == 1
+    with pytest.raises(ValueError, match="non-empty"):
+        asyncio.run(batcher.claim("", "ana"))
+    batcher.check_integrity()
+
+
+def test_the_directory_places_a_burst_of_new_conversations_with_few_writes(tmp_path: Path) -> None:
+    d = ConversationDirectory(DirectorySettings(policy="colocated"), ownership_db_path=str(tmp_path / "own.db"))
+
+    async def go() -> list[str]:
+        for i in range(2):
+            await d.report(ReplicaReport(f"decode#{i}", "decode", kv_usage=0.1, kv_capacity_tokens=10_000))
+        plans = await asyncio.gather(*(d.route(f"conv-{i}", "ana", 100) for i in range(64)))
+        with pytest.raises(ForeignConversation):
+            await d.route("conv-3", "bob", 100)
+        again = await d.route("conv-3", "ana", 120)  # the pinned next turn: same decoder, no write
+        assert again.decode_replica == plans[3].decode_replica
+        return [p.decode_replica for p in plans]
+
+    decoders = asyncio.run(go())
+    assert set(decoders) == {"decode#0", "decode#1"}
+    claims = asyncio.run(d.snapshot())["ownership_claims"]
+    assert claims["claims_committed"] == 64 and claims["flushes"] < 64 and claims["flush_errors"] == 0
+    assert OwnershipStore(tmp_path / "own.db").count() == 64  # each conversation on disk
+    d._state.check_integrity()
+    d._claims.check_integrity()
