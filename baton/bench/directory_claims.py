@@ -4,14 +4,13 @@ by one on the directory's event loop (how it was) or in group commits off it (ro
 
 One in-process ConversationDirectory (its metrics inert outside Serve) on a fresh file under the
 project's .cache (the default ownership path's disk), 8 decoders reported. `callers` coroutines
-open NEW conversations back to back (each a first turn: a claim, then placement; between two
-calls a caller yields to the loop, as calls arriving from Serve do); beside them a
-probe sends a pinned conversation's next turn every PROBE_GAP_S and times it from when it was due
-(a late start counts): what every other call of the directory (pinned turns, reports, syncs) waits
-while the loop is busy. The "one by one" mode
-swaps in a claimer that writes each claim on the loop, exactly the code path before the group
-commit; everything else is the same object. Modes alternate, REPS each; figures are medians of the
-reps with min-max.
+open NEW conversations back to back (each a first turn: a claim, then placement; between two calls
+a caller yields to the loop, as calls arriving from Serve do). Beside them a probe sends a pinned
+conversation's next turn every PROBE_GAP_S and times it from when it was due (a late start counts):
+what every other call of the directory (pinned turns, reports, syncs) waits while the loop is busy.
+The "one by one" mode swaps in a claimer that writes each claim on the loop, exactly the code path
+before the group commit; everything else is the same object. Modes alternate, REPS each; figures
+are medians of the reps with min-max.
 """
 from __future__ import annotations
 
