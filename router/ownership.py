@@ -73,15 +73,8 @@ class OwnershipStore:
         """Open the conversation for `user` if nobody owns it, else say whose it is. Atomic."""
         if not session_id:
             raise ValueError("session id must be non-empty")
-        who = user or ""
         with self._lock:
-            cur = self._db.execute(
-                "INSERT OR IGNORE INTO conversations (session_id, user, opened) VALUES (?, ?, ?)", (session_id, who, self._clock())
-            )
-            if cur.rowcount == 1:
-                return Claim.OPENED
-            (owner,) = self._db.execute("SELECT user FROM conversations WHERE session_id = ?", (session_id,)).fetchone()
-        return Claim.OWNED if owner == who else Claim.FOREIGN
+            return self._claim_row(session_id, user or "", self._clock())
 
     def claim_many(self, items: Sequence[tuple[str, str | None]]) -> list[Claim]:
         """`claim` of each (session id, user), in order, in ONE transaction: one write to disk
@@ -95,21 +88,21 @@ class OwnershipStore:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 now = self._clock()
-                for sid, user in items:
-                    who = user or ""
-                    cur = self._db.execute("INSERT OR IGNORE INTO conversations (session_id, user, opened) VALUES (?, ?, ?)",
-                                           (sid, who, now))
-                    if cur.rowcount == 1:
-                        out.append(Claim.OPENED)
-                        continue
-                    (owner,) = self._db.execute("SELECT user FROM conversations WHERE session_id = ?", (sid,)).fetchone()
-                    out.append(Claim.OWNED if owner == who else Claim.FOREIGN)
+                out = [self._claim_row(sid, user or "", now) for sid, user in items]
                 self._db.execute("COMMIT")
             except BaseException:
                 if self._db.in_transaction:  # a failed COMMIT may have ended it already
                     self._db.execute("ROLLBACK")
                 raise
         return out
+
+    def _claim_row(self, session_id: str, who: str, now: float) -> Claim:
+        """One claim's statements; the caller holds the lock (and the transaction, if any)."""
+        cur = self._db.execute("INSERT OR IGNORE INTO conversations (session_id, user, opened) VALUES (?, ?, ?)", (session_id, who, now))
+        if cur.rowcount == 1:
+            return Claim.OPENED
+        (owner,) = self._db.execute("SELECT user FROM conversations WHERE session_id = ?", (session_id,)).fetchone()
+        return Claim.OWNED if owner == who else Claim.FOREIGN
 
     def owner(self, session_id: str) -> Owner | None:
         with self._lock:
