@@ -188,8 +188,14 @@ class ConversationDirectory:
         return held
 
     async def end_conversation(self, session_id: str, user: str | None) -> bool:
-        """DELETE /v1/conversations/{id}: True when `user` owned it (now ended and unpinned)."""
-        ended = self._state.end_conversation(session_id, user)
+        """DELETE /v1/conversations/{id}: True when `user` owned it (now ended and unpinned).
+        The end is written in a group commit off the loop (router/claim_batch.py); shielded, so a
+        caller that goes away mid-write still has the pin dropped once the file has ended it."""
+        return await asyncio.shield(asyncio.ensure_future(self._end(session_id, user)))
+
+    async def _end(self, session_id: str, user: str | None) -> bool:
+        forgotten = await self._claims.end(session_id, user)
+        ended = self._state.end_conversation(session_id, user, forgotten=forgotten)
         self._live_pins.set(self._state.live_pins())
         return ended
 

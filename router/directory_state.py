@@ -242,10 +242,12 @@ class DirectoryState:
         return ConversationInfo(session_id, pin.decoder, pin.turns, pin.handoffs, pin.prompt_tokens, self._held.holds(pin.decoder, session_id),
                                 max(0.0, now - pin.last_seen), max(0.0, now - pin.created), pin.adopted)
 
-    def end_conversation(self, session_id: str, user: str | None = None) -> bool:
+    def end_conversation(self, session_id: str, user: str | None = None, forgotten: bool | None = None) -> bool:
         """The owner ends a conversation: its ownership is forgotten (the id is free again) and
-        its pin dropped. False, changing nothing, when `user` does not own it (or nobody does)."""
-        if not self._owners.forget(session_id, user):
+        its pin dropped. False, changing nothing, when `user` does not own it (or nobody does).
+        forgotten: the caller already ended its ownership (router/claim_batch.py's group commit)."""
+        ended = forgotten if forgotten is not None else self._owners.forget(session_id, user)
+        if not ended:
             return False
         self._pins.pop(session_id)
         self._changed(session_id)

@@ -42,6 +42,15 @@ class Claim(Enum):
 
 
 @dataclass(frozen=True)
+class Write:
+    """One ownership write of a group commit: claim `session_id` for `user`, or (end=True) forget it if `user` owns it."""
+
+    session_id: str
+    user: str | None
+    end: bool = False
+
+
+@dataclass(frozen=True)
 class Owner:
     session_id: str
     user: str
@@ -76,19 +85,21 @@ class OwnershipStore:
         with self._lock:
             return self._claim_row(session_id, user or "", self._clock())
 
-    def claim_many(self, items: Sequence[tuple[str, str | None]]) -> list[Claim]:
-        """`claim` of each (session id, user), in order, in ONE transaction: one write to disk
-        (one fsync under synchronous=FULL) for the whole batch, which is what lets the directory
-        commit claims in groups (router/claim_batch.py). A session id twice in a batch: the first
-        opens it, the second sees that owner. All or nothing: on an error none is committed."""
-        if any(not sid for sid, _ in items):
+    def write_many(self, writes: Sequence[Write]) -> list[Claim | bool]:
+        """Each write in order (a claim answers a Claim, an end as `forget` a bool) in ONE
+        transaction: one write to disk (one fsync under synchronous=FULL) for the whole batch,
+        which is what lets the directory commit them in groups (router/claim_batch.py). A later
+        write sees the earlier ones: a session id claimed twice, the second sees the first's
+        owner; ended then claimed, it opens anew. All or nothing: on an error none is committed."""
+        if any(not w.session_id for w in writes):
             raise ValueError("session id must be non-empty")
-        out: list[Claim] = []
+        out: list[Claim | bool] = []
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 now = self._clock()
-                out = [self._claim_row(sid, user or "", now) for sid, user in items]
+                out = [self._forget_row(w.session_id, w.user or "") if w.end else self._claim_row(w.session_id, w.user or "", now)
+                       for w in writes]
                 self._db.execute("COMMIT")
             except BaseException:
                 if self._db.in_transaction:  # a failed COMMIT may have ended it already
@@ -112,8 +123,11 @@ class OwnershipStore:
     def forget(self, session_id: str, user: str | None) -> bool:
         """End a conversation: only its owner may; True when it existed and was theirs."""
         with self._lock:
-            cur = self._db.execute("DELETE FROM conversations WHERE session_id = ? AND user = ?", (session_id, user or ""))
-        return cur.rowcount == 1
+            return self._forget_row(session_id, user or "")
+
+    def _forget_row(self, session_id: str, who: str) -> bool:
+        """One end's statement; the caller holds the lock (and the transaction, if any)."""
+        return self._db.execute("DELETE FROM conversations WHERE session_id = ? AND user = ?", (session_id, who)).rowcount == 1
 
     def count(self) -> int:
         with self._lock:
@@ -176,8 +190,12 @@ class KnownOwners:
         """End the conversation if `user` owns it (the store decides); True when it did."""
         if not self.store.forget(session_id, user):
             return False
-        self._owners.pop(session_id, None)
+        self.forgotten(session_id)
         return True
+
+    def forgotten(self, session_id: str) -> None:
+        """The store ended the conversation (here or in a group commit): drop its cached owner."""
+        self._owners.pop(session_id, None)
 
     def cached(self, session_id: str) -> str | None:
         """The cached owner, without reading the file (for invariant checks)."""

@@ -200,8 +200,9 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     conversations = CLAIM_CONVERSATIONS_QUICK if quick else CLAIM_CONVERSATIONS
     claim_points, claim_runs = directory_claims.measure(conversations)
     for c in claim_points:
-        batch = f", {c.mean_batch:.1f} claims per write" if c.mean_batch is not None else ""
-        print(f"[directory] durable claims, {c.mode:10s} {c.callers:>3} callers: {c.new_per_s[0]:7.0f} new conversations/s "
+        batch = f", {c.mean_batch:.1f} writes per transaction" if c.mean_batch is not None else ""
+        what = "new conversations/s" if c.workload == "open" else "conversations opened and ended/s"
+        print(f"[directory] durable {c.workload:8s} {c.mode:10s} {c.callers:>3} callers: {c.new_per_s[0]:7.0f} {what} "
               f"({c.new_per_s[1]:.0f}-{c.new_per_s[2]:.0f}); a pinned turn meanwhile p50 {c.probe_p50_ms:.2f} ms, p99 "
               f"{c.probe_p99_ms[0]:.2f} ms ({c.probe_p99_ms[1]:.2f}-{c.probe_p99_ms[2]:.2f}){batch}", flush=True)
     line = result_line(points, reports) + directory_claims.result_fields(claim_points)

@@ -32,12 +32,15 @@ def test_a_tiny_grid_runs_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert set(fields) == {"route_new_us_at_4", "route_pinned_us_at_4", "ceiling_new_per_s_at_4", "pins_growth", "replicas_growth",
                            "report_us_complete_shards2", "report_us_delta_shards2", "durable_new_per_s_one_by_one_c64",
                            "durable_new_per_s_group_c64", "durable_new_speedup_c64", "pinned_p99_ms_one_by_one_c64",
-                           "pinned_p99_ms_group_c64"}
+                           "pinned_p99_ms_group_c64", "durable_lifecycle_per_s_one_by_one_c64", "durable_lifecycle_per_s_group_c64",
+                           "durable_lifecycle_speedup_c64", "pinned_p99_ms_lifecycle_one_by_one_c64",
+                           "pinned_p99_ms_lifecycle_group_c64"}
     runs = saved["durable_claims"]["runs"]
-    assert len(runs) == 3 * 2 * 3 and all(r["conversations"] == 40 and r["probes"] >= 1 for r in runs)
-    group = [r for r in runs if r["mode"] == "group"]
-    assert all(r["flushes"] == 40 for r in group if r["callers"] == 1)  # one caller: nothing to share a write with
-    assert all(r["flushes"] < 40 for r in group if r["callers"] == 64)  # a burst: claims share writes
+    assert len(runs) == 3 * 2 * 2 * 3 and all(r["conversations"] == 40 and r["probes"] >= 1 for r in runs)
+    for workload, writes in (("open", 40), ("open_end", 80)):
+        group = [r for r in runs if r["mode"] == "group" and r["workload"] == workload]
+        assert all(r["flushes"] == writes for r in group if r["callers"] == 1)  # one caller: nothing to share a write with
+        assert all(r["flushes"] < writes for r in group if r["callers"] == 64)  # a burst: writes share transactions
     assert all(r["flushes"] is None for r in runs if r["mode"] == "one_by_one")
     assert [(r["shards"], r["held"]) for r in saved["reports"]] == [(1, 40), (2, 40)]
     assert all(0 < r["complete_us"][1] <= r["complete_us"][0] <= r["complete_us"][2] for r in saved["reports"])
@@ -70,11 +73,15 @@ def test_the_state_it_times_holds_the_pins_and_replicas_asked() -> None:
 
 
 def test_the_durable_claim_fields_compare_the_modes_at_the_most_callers() -> None:
-    def pt(mode: str, callers: int, per_s: float, p99: float) -> directory.directory_claims.ClaimPoint:
-        return directory.directory_claims.ClaimPoint(mode, callers, (per_s, per_s, per_s), (p99, p99, p99), p99 / 2, None)
+    def pt(mode: str, callers: int, per_s: float, p99: float, workload: str = "open") -> directory.directory_claims.ClaimPoint:
+        return directory.directory_claims.ClaimPoint(workload, mode, callers, (per_s, per_s, per_s), (p99, p99, p99), p99 / 2, None)
 
     line = directory.directory_claims.result_fields([pt("one_by_one", 1, 900.0, 1.0), pt("group", 1, 700.0, 0.5),
                                                      pt("one_by_one", 16, 1000.0, 20.0), pt("group", 16, 4000.0, 2.0)])
     assert dict(kv.split("=") for kv in line.split()) == {
         "durable_new_per_s_one_by_one_c16": "1000", "durable_new_per_s_group_c16": "4000", "durable_new_speedup_c16": "4.00",
         "pinned_p99_ms_one_by_one_c16": "20.00", "pinned_p99_ms_group_c16": "2.00"}
+    line = directory.directory_claims.result_fields([pt("one_by_one", 8, 500.0, 30.0, "open_end"), pt("group", 8, 1500.0, 3.0, "open_end")])
+    assert dict(kv.split("=") for kv in line.split()) == {
+        "durable_lifecycle_per_s_one_by_one_c8": "500", "durable_lifecycle_per_s_group_c8": "1500", "durable_lifecycle_speedup_c8": "3.00",
+        "pinned_p99_ms_lifecycle_one_by_one_c8": "30.00", "pinned_p99_ms_lifecycle_group_c8": "3.00"}

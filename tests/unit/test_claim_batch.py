@@ -1,6 +1,6 @@
-"""Group commit of ownership claims (router/claim_batch.py, OwnershipStore.claim_many): one
-transaction per batch, answers as the one-by-one claims would give, the directory's event loop
-free while a batch is written, a failed write failing only its own batch."""
+"""Group commit of ownership claims and ends (router/claim_batch.py, OwnershipStore.write_many):
+one transaction per batch, answers as the one-by-one writes would give, in arrival order, the
+directory's event loop free while a batch is written, a failed write failing only its own batch."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +13,7 @@ import pytest
 
 from router.claim_batch import ClaimBatcher
 from router.directory_state import DirectorySettings, ForeignConversation
-from router.ownership import Claim, KnownOwners, OwnershipStore
+from router.ownership import Claim, KnownOwners, OwnershipStore, Write
 from router.report import ReplicaReport
 
 with warnings.catch_warnings():  # Ray Serve's own pydantic models warn on import
@@ -30,18 +30,22 @@ class CountingStore(OwnershipStore):
         self.gate = gate
         self.entered = threading.Event()
 
-    def claim_many(self, items: Sequence[tuple[str, str | None]]) -> list[Claim]:
+    def write_many(self, writes: Sequence[Write]) -> list[Claim | bool]:
         self.entered.set()
         if self.gate is not None:
             assert self.gate.wait(5.0), "the test never opened the gate"
-        self.batches.append(len(items))
-        return super().claim_many(items)
+        self.batches.append(len(writes))
+        return super().write_many(writes)
 
 
-def test_claim_many_answers_as_claims_one_by_one_in_one_transaction(tmp_path: Path) -> None:
+def claims(*items: tuple[str, str | None]) -> list[Write]:
+    return [Write(sid, user) for sid, user in items]
+
+
+def test_write_many_answers_as_claims_one_by_one_in_one_transaction(tmp_path: Path) -> None:
     s = OwnershipStore(tmp_path / "own.db")
     assert s.claim("old", "ana") is Claim.OPENED
-    got = s.claim_many([("a", "ana"), ("a", "ana"), ("a", "bob"), ("old", "ana"), ("old", None), ("b", None)])
+    got = s.write_many(claims(("a", "ana"), ("a", "ana"), ("a", "bob"), ("old", "ana"), ("old", None), ("b", None)))
     assert got == [Claim.OPENED, Claim.OWNED, Claim.FOREIGN, Claim.OWNED, Claim.FOREIGN, Claim.OPENED]
     s.close()
     again = OwnershipStore(tmp_path / "own.db")  # committed: a restarted directory sees them
@@ -60,12 +64,23 @@ def test_a_failed_batch_commits_none_of_its_claims(tmp_path: Path) -> None:
     s = OwnershipStore(tmp_path / "own.db", clock=clock)
     assert s.claim("first", "ana") is Claim.OPENED  # clock call 1
     with pytest.raises(OSError):
-        s.claim_many([("x", "ana"), ("y", "ana")])  # clock call 2 fails inside the transaction
-    assert s.count() == 1 and s.owner("x") is None  # rolled back
-    assert s.claim_many([("x", "bob")]) == [Claim.OPENED]  # and the connection still writes
+        s.write_many([Write("first", "ana", end=True), Write("x", "ana")])  # clock call 2 fails inside the transaction
+    assert s.count() == 1 and s.owner("x") is None and s.owner("first") is not None  # rolled back, the end too
+    assert s.write_many(claims(("x", "bob"))) == [Claim.OPENED]  # and the connection still writes
     with pytest.raises(ValueError, match="non-empty"):
-        s.claim_many([("z", "ana"), ("", "ana")])
+        s.write_many(claims(("z", "ana"), ("", "ana")))
     assert s.owner("z") is None
+
+
+def test_write_many_applies_claims_and_ends_in_order(tmp_path: Path) -> None:
+    s = OwnershipStore(tmp_path / "own.db")
+    assert s.claim("a", "ana") is Claim.OPENED
+    got = s.write_many([Write("a", "bob", end=True), Write("a", "ana", end=True), Write("a", "bob"), Write("a", "ana"),
+                        Write("gone", None, end=True), Write("b", None), Write("b", None, end=True)])
+    assert got == [False, True, Claim.OPENED, Claim.FOREIGN, False, Claim.OPENED, True]  # a stranger cannot end it; its owner can
+    s.close()
+    again = OwnershipStore(tmp_path / "own.db")
+    assert again.count() == 1 and again.owner("a").user == "bob" and again.owner("b") is None  # type: ignore[union-attr]
 
 
 def test_concurrent_claims_share_transactions_and_get_the_right_answers(tmp_path: Path) -> None:
@@ -88,7 +103,7 @@ def test_concurrent_claims_share_transactions_and_get_the_right_answers(tmp_path
     assert got[:40] == [Claim.OPENED] * 40 and got[40] is Claim.FOREIGN
     assert store.batches == [1, 40]  # the claims that came during the first write went in one more
     st = batcher.stats()
-    assert (st.flushes, st.claims_committed, st.largest_batch, st.flush_errors) == (2, 41, 40, 0)
+    assert (st.flushes, st.claims_committed, st.ends_committed, st.largest_batch, st.flush_errors) == (2, 41, 0, 40, 0)
     assert asyncio.run(batcher.claim("c7", "ana")) is Claim.OWNED  # now from the cache: no third write
     assert store.batches == [1, 40] and batcher.stats().claims_cached == 1
     assert owners.cached("c7") == "ana" and owners.cached("c0") == "ana"
@@ -120,11 +135,11 @@ def test_a_failed_write_fails_its_batch_only(tmp_path: Path) -> None:
     class FailOnce(CountingStore):
         failed = False
 
-        def claim_many(self, items: Sequence[tuple[str, str | None]]) -> list[Claim]:
+        def write_many(self, writes: Sequence[Write]) -> list[Claim | bool]:
             if not self.failed:
                 self.failed = True
                 raise OSError("disk full")
-            return super().claim_many(items)
+            return super().write_many(writes)
 
     store = FailOnce(tmp_path / "own.db")
     batcher = ClaimBatcher(KnownOwners(store))
@@ -159,5 +174,76 @@ def test_the_directory_places_a_burst_of_new_conversations_with_few_writes(tmp_p
     claims = asyncio.run(d.snapshot())["ownership_claims"]
     assert claims["claims_committed"] == 64 and claims["flushes"] < 64 and claims["flush_errors"] == 0
     assert OwnershipStore(tmp_path / "own.db").count() == 64  # each conversation on disk
+    d._state.check_integrity()
+    d._claims.check_integrity()
+
+
+def test_ends_and_claims_share_a_batch_in_arrival_order_and_keep_the_cache_true(tmp_path: Path) -> None:
+    gate = threading.Event()
+    store = CountingStore(tmp_path / "own.db")
+    owners = KnownOwners(store)
+    batcher = ClaimBatcher(owners)
+    assert asyncio.run(batcher.claim("a", "ana")) is Claim.OPENED and owners.cached("a") == "ana"
+    store.gate = gate
+    store.entered.clear()
+
+    async def go() -> list[Claim | bool]:
+        first = asyncio.ensure_future(batcher.claim("held", "ana"))  # the first flush, held at the gate
+        await asyncio.to_thread(store.entered.wait, 5.0)
+        rest: list[asyncio.Future[Claim | bool]] = [
+            asyncio.ensure_future(batcher.end("a", "bob")),  # a stranger cannot end it
+            asyncio.ensure_future(batcher.end("a", "ana")),
+            asyncio.ensure_future(batcher.claim("a", "ana")),  # from the cache: ana still owns it until the end commits
+            asyncio.ensure_future(batcher.claim("b", "bob")),
+            asyncio.ensure_future(batcher.end("b", "bob")),  # opened and ended in the same batch
+        ]
+        await asyncio.sleep(0)
+        batcher.check_integrity()
+        gate.set()
+        return [await first] + list(await asyncio.gather(*rest))
+
+    got = asyncio.run(go())
+    assert got == [Claim.OPENED, False, True, Claim.OWNED, Claim.OPENED, True]
+    assert store.batches == [1, 1, 4]  # the cached claim wrote nothing; the ends and the new claim went in one write
+    assert owners.cached("a") is None and owners.cached("b") is None  # ended ones leave the cache
+    assert asyncio.run(batcher.claim("a", "bob")) is Claim.OPENED  # the id is free again, read from the file
+    assert asyncio.run(batcher.end("", "ana")) is False
+    st = batcher.stats()
+    assert (st.claims_committed, st.ends_committed, st.claims_cached, st.flushes) == (4, 3, 1, 4)
+    batcher.check_integrity()
+
+
+def test_the_directory_ends_conversations_in_group_commits_and_drops_their_pins(tmp_path: Path) -> None:
+    gate = threading.Event()
+    d = ConversationDirectory(DirectorySettings(policy="colocated"), ownership_db_path=str(tmp_path / "own.db"))
+    store = CountingStore(tmp_path / "own.db")
+    d._claims.owners.store = store  # the same file, counted (the state and the batcher share one KnownOwners)
+
+    async def go() -> tuple[list[bool], bool, list[int]]:
+        await d.report(ReplicaReport("decode#0", "decode", kv_usage=0.1, kv_capacity_tokens=10_000))
+        for i in range(20):
+            await d.route(f"conv-{i}", "ana", 100)
+        store.gate = gate
+        store.entered.clear()
+        before = len(store.batches)
+        ends = [asyncio.ensure_future(d.end_conversation(f"conv-{i}", "ana" if i else "bob")) for i in range(20)]
+        await asyncio.to_thread(store.entered.wait, 5.0)
+        gone = asyncio.ensure_future(d.end_conversation("conv-0", "ana"))
+        await asyncio.sleep(0)
+        gone.cancel()  # its caller went away mid-write: the end still lands, the pin still drops
+        gate.set()
+        answers = list(await asyncio.gather(*ends))
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if d._state._pins.get("conv-0") is None:
+                break
+        return answers, d._state._pins.get("conv-0") is None, store.batches[before:]
+
+    answers, dropped, batches = asyncio.run(go())
+    assert answers == [False] + [True] * 19 and dropped
+    assert batches == [20, 1] and store.count() == 0  # 21 ends in two writes; every conversation gone from disk
+    assert asyncio.run(d.snapshot())["ownership_claims"]["ends_committed"] == 21
     d._state.check_integrity()
     d._claims.check_integrity()
