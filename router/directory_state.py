@@ -27,7 +27,7 @@ Invariants (check_integrity):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -38,7 +38,7 @@ from router.directory_types import DirectorySettings, Pin, Reported
 from router.fleet import Fleet
 from router.held_mirror import HeldMirror
 from router.ownership import Claim, KnownOwners, OwnershipStore
-from router.pin_adoption import adopt_pins
+from router.pin_adoption import adopt_pins, adoption_candidates
 from router.pin_cache import PinSync, PinUpdate, Placed, Touch
 from router.pin_log import PinChangeLog, record_touch
 from router.pin_table import PinTable
@@ -73,28 +73,36 @@ class DirectoryState:
         self._held = HeldMirror()  # the conversations each decoder holds, from its reports
 
     # ---- replicas ------------------------------------------------------------------------
-    def report(self, report: ReplicaReport, now: float) -> bool:
-        """Store a report, adopt the pins it allows; True: send the complete list of conversations."""
-        if self._born is None:
-            self._born = now
+    def report(self, report: ReplicaReport, now: float, owners: Mapping[str, str] | None = None) -> bool:
+        """Store a report, adopt the pins it allows (`adopt`); True: send the complete list of conversations."""
+        self._born = now if self._born is None else self._born
         if not self._fleet.store(report, now):
             return False  # a report sent before the failure and delivered after it: ignore
         if report.pool == "decode":  # pins back from what the decoder holds (after a restart)
-            for sid in adopt_pins(self._pins, report, now, self.settings, self._owners.owner):
-                self._changed(sid)
-                self.totals["pins_adopted"] += 1
+            self.adopt(report, now, owners)
             if self._held.apply(report, now):
                 self.totals["complete_lists_asked"] += 1
                 return True
         return False
 
+    def adopt(self, part: ReplicaReport, now: float, owners: Mapping[str, str] | None = None) -> int:
+        """Adopt pins from (part of) a stored report, unless its replica failed since; the number adopted. owners: those of
+        adoption_candidates read beforehand (ClaimBatcher.owners_of; one missing has none); None: each read from the store."""
+        if part.pool != "decode" or part.replica_id in self._fleet.failed or part.replica_id not in self._fleet.replicas:
+            return 0
+        adopted = adopt_pins(self._pins, part, now, self.settings, owners.get if owners is not None else self._owners.owner)
+        for sid in adopted:
+            self._changed(sid)
+        self.totals["pins_adopted"] += len(adopted)
+        return len(adopted)
+
+    def adoption_candidates(self, report: ReplicaReport, now: float) -> list[str]:
+        """The conversations of a decoder's report whose owner adopting them would read."""
+        return adoption_candidates(self._pins, report, now, self.settings) if report.pool == "decode" else []
+
     def live(self, pool: str, now: float) -> list[ReplicaReport]:
         """The live replicas of `pool` (a shared list: do not modify)."""
         return self._fleet.live(pool, now)
-
-    def _decoder_loads(self, live: list[ReplicaReport]) -> list[ReplicaLoad]:
-        # under per-turn policies a conversation's last decoder is not a commitment: no pin load (the Fleet's pins are None)
-        return self._fleet.decoder_loads(live)
 
     def _prefill_for(self, plan: TurnPlan, now: float) -> str | None:
         """The prefill replica for a planned remote prefill, or None: prefill on the decoder."""
@@ -160,7 +168,7 @@ class DirectoryState:
         plan = plan_turn(
             s.policy,
             pinned=pin.decoder if pin else None,
-            decoders=self._away_from_cliff(self._decoder_loads(decoders), now, cliff_horizon_s if pin is None else None),
+            decoders=self._away_from_cliff(self._fleet.decoder_loads(decoders), now, cliff_horizon_s if pin is None else None),
             prompt_tokens=prompt_tokens,
             prefill_available=bool(self.live("prefill", now)) and s.policy in DISAGGREGATED,
             rr_counter=self._rr,
@@ -296,7 +304,7 @@ class DirectoryState:
         self.totals["pin_syncs"] += 1
         return PinSync(self.changes.incarnation, self.changes.seq, updates, reset, tuple(sorted(r.replica_id for r in decoders)),
                        pool_queueing=bool(decoders) and all(r.num_waiting > 0 for r in decoders), pool_in_flight=self.pool_in_flight(now, decoders),
-                       decoder_loads=tuple(self._decoder_loads(decoders)), weights=self.settings.weights)
+                       decoder_loads=tuple(self._fleet.decoder_loads(decoders)), weights=self.settings.weights)
 
     def pin_of(self, session_id: str) -> Pin | None:
         p = self._pins.get(session_id)

@@ -33,6 +33,7 @@ from enum import Enum
 from pathlib import Path
 
 SCHEMA_VERSION = 1
+LOOKUP_CHUNK = 500  # session ids per SELECT … IN (…): under SQLite's bound-parameter limit
 
 
 class Claim(Enum):
@@ -48,6 +49,13 @@ class Write:
     session_id: str
     user: str | None
     end: bool = False
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A read queued among the writes of a group commit: the owners of these session ids."""
+
+    session_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -85,21 +93,22 @@ class OwnershipStore:
         with self._lock:
             return self._claim_row(session_id, user or "", self._clock())
 
-    def write_many(self, writes: Sequence[Write]) -> list[Claim | bool]:
-        """Each write in order (a claim answers a Claim, an end as `forget` a bool) in ONE
-        transaction: one write to disk (one fsync under synchronous=FULL) for the whole batch,
-        which is what lets the directory commit them in groups (router/claim_batch.py). A later
-        write sees the earlier ones: a session id claimed twice, the second sees the first's
-        owner; ended then claimed, it opens anew. All or nothing: on an error none is committed."""
-        if any(not w.session_id for w in writes):
+    def write_many(self, writes: Sequence[Write | Lookup]) -> list[Claim | bool | dict[str, str]]:
+        """Each write in order (a claim answers a Claim, an end as `forget` a bool, a Lookup the
+        owners it found by session id) in ONE transaction: one write to disk (one fsync under
+        synchronous=FULL) for the whole batch, which is what lets the directory commit them in
+        groups (router/claim_batch.py). A later write sees the earlier ones: a session id claimed
+        twice, the second sees the first's owner; ended then claimed, it opens anew; a Lookup sees
+        every write before it. All or nothing: on an error none is committed."""
+        if any(isinstance(w, Write) and not w.session_id for w in writes):
             raise ValueError("session id must be non-empty")
-        out: list[Claim | bool] = []
+        out: list[Claim | bool | dict[str, str]] = []
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 now = self._clock()
-                out = [self._forget_row(w.session_id, w.user or "") if w.end else self._claim_row(w.session_id, w.user or "", now)
-                       for w in writes]
+                out = [self._owner_rows(w.session_ids) if isinstance(w, Lookup) else self._forget_row(w.session_id, w.user or "")
+                       if w.end else self._claim_row(w.session_id, w.user or "", now) for w in writes]
                 self._db.execute("COMMIT")
             except BaseException:
                 if self._db.in_transaction:  # a failed COMMIT may have ended it already
@@ -114,6 +123,15 @@ class OwnershipStore:
             return Claim.OPENED
         (owner,) = self._db.execute("SELECT user FROM conversations WHERE session_id = ?", (session_id,)).fetchone()
         return Claim.OWNED if owner == who else Claim.FOREIGN
+
+    def _owner_rows(self, session_ids: Sequence[str]) -> dict[str, str]:
+        """The owners of those that have one, a few hundred ids per statement; the caller holds the lock."""
+        found: dict[str, str] = {}
+        for i in range(0, len(session_ids), LOOKUP_CHUNK):
+            chunk = session_ids[i:i + LOOKUP_CHUNK]
+            marks = ",".join("?" * len(chunk))
+            found.update(self._db.execute(f"SELECT session_id, user FROM conversations WHERE session_id IN ({marks})", chunk).fetchall())
+        return found
 
     def owner(self, session_id: str) -> Owner | None:
         with self._lock:
@@ -192,6 +210,11 @@ class KnownOwners:
             return False
         self.forgotten(session_id)
         return True
+
+    def found(self, owners: dict[str, str]) -> None:
+        """Cache owners the store answered to a Lookup (router/claim_batch.py)."""
+        for sid, who in owners.items():
+            self._remember(sid, who)
 
     def forgotten(self, session_id: str) -> None:
         """The store ended the conversation (here or in a group commit): drop its cached owner."""

@@ -21,15 +21,23 @@ def adopt_pins(pins: PinTable, report: ReplicaReport, now: float, s: DirectorySe
     """Adopt what the rules allow from `report` into `pins`; the session ids adopted, in report order."""
     adopted = []
     for sid, idle in report.conversations:
-        seen = now - idle
-        pin = pins.get(sid)
-        if idle > s.conversation_ttl_s or (pin is not None and (not pin.adopted or pin.last_seen >= seen)):
-            continue
-        if (pin is None and len(pins) >= s.max_conversations) or shard_of(sid, s.shards) != s.shard:
+        if not _eligible(pins, sid, idle, now, s) or (pins.get(sid) is None and len(pins) >= s.max_conversations):
             continue
         owner = owner_of(sid)
         if owner is None:
             continue
-        pins.put(sid, Pin(report.replica_id, owner or None, seen, seen, adopted=True))
+        pins.put(sid, Pin(report.replica_id, owner or None, now - idle, now - idle, adopted=True))
         adopted.append(sid)
     return adopted
+
+
+def adoption_candidates(pins: PinTable, report: ReplicaReport, now: float, s: DirectorySettings) -> list[str]:
+    """The session ids whose owner adopt_pins would ask for (so the caller can read them in bulk first)."""
+    return [sid for sid, idle in report.conversations if _eligible(pins, sid, idle, now, s)]
+
+
+def _eligible(pins: PinTable, sid: str, idle: float, now: float, s: DirectorySettings) -> bool:
+    pin = pins.get(sid)
+    if idle > s.conversation_ttl_s or (pin is not None and (not pin.adopted or pin.last_seen >= now - idle)):
+        return False
+    return shard_of(sid, s.shards) == s.shard

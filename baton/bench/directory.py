@@ -20,13 +20,17 @@ placement's cost still grows with the pins (1.0: it does not).
 Then what one decoder's report costs a shard (baton/bench/directory_reports.py): its held
 conversations listed in full, as every report did before deltas, or as a delta, at 1 and 2 shards.
 Then new conversations whose ownership goes to a real SQLite file (baton/bench/directory_claims.py):
-claimed one by one on the event loop, or in group commits off it (router/claim_batch.py).
+claimed one by one on the event loop, or in group commits off it (router/claim_batch.py), alone or
+each followed by its end. Then a restarted directory adopting 8 decoders' pins from their complete
+reports (baton/bench/directory_adoption.py): owners read one by one on the loop, or in one lookup off it.
 
 RESULT: `route_new_us_at_<R>` and `route_pinned_us_at_<R>` at the largest fleet and most pins,
 `ceiling_new_per_s_at_<R>`, `pins_growth`, `replicas_growth` (new conversation, largest fleet
 over smallest, at the fewest pins), `report_us_complete_shards2` and `report_us_delta_shards2`
 (a decoder holding MAX_REPORTED_CONVERSATIONS conversations, 2 shards), and directory_claims.result_fields
-(durable new conversations/s and a pinned turn's p99 meanwhile, one by one vs group commit)."""
+(durable new conversations/s and a pinned turn's p99 meanwhile, one by one vs group commit, then the
+same for conversations opened and ended) and directory_adoption.result_fields (the adoption's time and
+a pinned turn's longest wait meanwhile, both ways)."""
 from __future__ import annotations
 
 import json
@@ -37,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from baton.bench import directory_claims, directory_reports
+from baton.bench import directory_adoption, directory_claims, directory_reports
 from baton.bench.directory_reports import ReportCost
 from router.directory_state import DirectorySettings, DirectoryState
 from router.pin_cache import Touch
@@ -205,11 +209,19 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         print(f"[directory] durable {c.workload:8s} {c.mode:10s} {c.callers:>3} callers: {c.new_per_s[0]:7.0f} {what} "
               f"({c.new_per_s[1]:.0f}-{c.new_per_s[2]:.0f}); a pinned turn meanwhile p50 {c.probe_p50_ms:.2f} ms, p99 "
               f"{c.probe_p99_ms[0]:.2f} ms ({c.probe_p99_ms[1]:.2f}-{c.probe_p99_ms[2]:.2f}){batch}", flush=True)
-    line = result_line(points, reports) + directory_claims.result_fields(claim_points)
+    adoption_points, adoption_runs = directory_adoption.measure(directory_claims.DECODERS, directory_adoption.HELD)
+    for a in adoption_points:
+        print(f"[directory] restart: {directory_claims.DECODERS} decoders report {directory_adoption.HELD} conversations each, owners read "
+              f"{a.mode:10s}: all pins adopted in {a.adopt_ms[0]:6.1f} ms ({a.adopt_ms[1]:.1f}-{a.adopt_ms[2]:.1f}); a pinned turn's "
+              f"longest wait meanwhile {a.probe_max_ms[0]:6.1f} ms ({a.probe_max_ms[1]:.1f}-{a.probe_max_ms[2]:.1f})", flush=True)
+    line = result_line(points, reports) + directory_claims.result_fields(claim_points) + directory_adoption.result_fields(adoption_points)
     report = {"quick": quick, "grid": asdict(g), "repeats": REPEATS, "sync_touches": SYNC_TOUCHES,
               "points": [asdict(p) for p in points], "reports": [asdict(r) for r in reports],
               "durable_claims": {"conversations": conversations, "points": [asdict(c) for c in claim_points],
-                                 "runs": [asdict(r) for r in claim_runs]}, "result": line}
+                                 "runs": [asdict(r) for r in claim_runs]},
+              "restart_adoption": {"decoders": directory_claims.DECODERS, "held": directory_adoption.HELD,
+                                   "points": [asdict(a) for a in adoption_points], "runs": [asdict(r) for r in adoption_runs]},
+              "result": line}
     (out_dir / "directory.json").write_text(json.dumps(report, indent=2))
     _plot(points, out_dir / "directory.png")
     print(f"[directory] wrote {out_dir / 'directory.json'} and {out_dir / 'directory.png'}")

@@ -125,7 +125,7 @@ async def _one_run(workload: str, mode: str, callers: int, conversations: int, f
                     stats.flushes - flushed_before if stats is not None else None)
 
 
-def _spread(xs: list[float]) -> tuple[float, float, float]:
+def spread(xs: list[float]) -> tuple[float, float, float]:
     return statistics.median(xs), min(xs), max(xs)
 
 
@@ -148,7 +148,7 @@ def measure(conversations: int, callers: tuple[int, ...] = CALLERS, reps: int = 
                 mine = [r for r in runs if r.workload == w and r.mode == mode and r.callers == c]
                 writes = 2 if w == "open_end" else 1
                 batches = [writes * r.conversations / r.flushes for r in mine if r.flushes]
-                points.append(ClaimPoint(w, mode, c, _spread([r.new_per_s for r in mine]), _spread([r.probe_p99_ms for r in mine]),
+                points.append(ClaimPoint(w, mode, c, spread([r.new_per_s for r in mine]), spread([r.probe_p99_ms for r in mine]),
                                      statistics.median(r.probe_p50_ms for r in mine), statistics.median(batches) if batches else None))
     return points, runs
 

@@ -18,6 +18,7 @@ def test_a_tiny_grid_runs_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(directory, "REPEATS", 3)
     monkeypatch.setattr(directory, "REPORT_CALLS", 4)
     monkeypatch.setattr(directory, "CLAIM_CONVERSATIONS_QUICK", 40)
+    monkeypatch.setattr(directory.directory_adoption, "HELD", 300)
     monkeypatch.setattr(directory.directory_reports, "measure",
                         lambda shards, calls, repeats: real_measure(shards, calls, repeats, held=40))
     report = directory.run(True, tmp_path)
@@ -34,7 +35,11 @@ def test_a_tiny_grid_runs_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyP
                            "durable_new_per_s_group_c64", "durable_new_speedup_c64", "pinned_p99_ms_one_by_one_c64",
                            "pinned_p99_ms_group_c64", "durable_lifecycle_per_s_one_by_one_c64", "durable_lifecycle_per_s_group_c64",
                            "durable_lifecycle_speedup_c64", "pinned_p99_ms_lifecycle_one_by_one_c64",
-                           "pinned_p99_ms_lifecycle_group_c64"}
+                           "pinned_p99_ms_lifecycle_group_c64", "adoption_ms_one_by_one_d8", "adoption_ms_lookup_d8",
+                           "adoption_stall_ms_one_by_one_d8", "adoption_stall_ms_lookup_d8"}
+    adoption = saved["restart_adoption"]
+    assert adoption["held"] == 300 and [r["mode"] for r in adoption["runs"]] == ["one_by_one", "lookup"] * 3
+    assert all(r["held"] == 300 and r["probes"] >= 1 and r["adopt_ms"] > 0 for r in adoption["runs"])  # each run checked all 2,400 adopted
     runs = saved["durable_claims"]["runs"]
     assert len(runs) == 3 * 2 * 2 * 3 and all(r["conversations"] == 40 and r["probes"] >= 1 for r in runs)
     for workload, writes in (("open", 40), ("open_end", 80)):

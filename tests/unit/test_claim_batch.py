@@ -13,7 +13,7 @@ import pytest
 
 from router.claim_batch import ClaimBatcher
 from router.directory_state import DirectorySettings, ForeignConversation
-from router.ownership import Claim, KnownOwners, OwnershipStore, Write
+from router.ownership import Claim, KnownOwners, Lookup, OwnershipStore, Write
 from router.report import ReplicaReport
 
 with warnings.catch_warnings():  # Ray Serve's own pydantic models warn on import
@@ -245,5 +245,72 @@ def test_the_directory_ends_conversations_in_group_commits_and_drops_their_pins(
     assert answers == [False] + [True] * 19 and dropped
     assert batches == [20, 1] and store.count() == 0  # 21 ends in two writes; every conversation gone from disk
     assert asyncio.run(d.snapshot())["ownership_claims"]["ends_committed"] == 21
+    d._state.check_integrity()
+    d._claims.check_integrity()
+
+
+def test_a_lookup_reads_the_owners_as_of_the_writes_before_it(tmp_path: Path) -> None:
+    s = OwnershipStore(tmp_path / "own.db")
+    s.write_many(claims(*((f"s{i}", "ana" if i % 2 else None) for i in range(1200))))
+    got = s.write_many([Write("new", "bob"), Lookup(("new", "s1", "s2", "nobody")), Write("s1", "ana", end=True), Lookup(("s1",))])
+    assert got == [Claim.OPENED, {"new": "bob", "s1": "ana", "s2": ""}, True, {}]
+    many = s.write_many([Lookup(tuple(f"s{i}" for i in range(1200)) + ("nobody",))])[0]
+    assert isinstance(many, dict) and len(many) == 1199 and many["s3"] == "ana" and many["s4"] == ""  # over several IN chunks
+
+
+def test_owners_of_answers_cached_owners_and_reads_the_rest_once_behind_queued_writes(tmp_path: Path) -> None:
+    gate = threading.Event()
+    store = CountingStore(tmp_path / "own.db")
+    for sid in ("cold", "ended"):
+        store.claim(sid, "ana")  # on disk, not in this directory's cache (as after a restart)
+    owners = KnownOwners(store)
+    batcher = ClaimBatcher(owners)
+    assert asyncio.run(batcher.claim("warm", "bob")) is Claim.OPENED
+    store.gate = gate
+    store.entered.clear()
+
+    async def go() -> dict[str, str]:
+        first = asyncio.ensure_future(batcher.claim("held", "ana"))  # a flush held at the gate
+        await asyncio.to_thread(store.entered.wait, 5.0)
+        end = asyncio.ensure_future(batcher.end("ended", "ana"))  # queued before the read: the read must not see its owner
+        read = asyncio.ensure_future(batcher.owners_of(["warm", "cold", "ended", "nobody"]))
+        await asyncio.sleep(0)
+        gate.set()
+        assert await first is Claim.OPENED and await end is True
+        return await read
+
+    assert asyncio.run(go()) == {"warm": "bob", "cold": "ana"}
+    assert store.batches[-1] == 2  # the end and the lookup in one transaction
+    assert owners.cached("cold") == "ana" and owners.cached("ended") is None  # what the file said is cached
+    assert asyncio.run(batcher.owners_of(["warm", "cold"])) == {"warm": "bob", "cold": "ana"}  # both cached now: no read
+    assert batcher.stats().lookups == 1 and len(store.batches) == 3
+    batcher.check_integrity()
+
+
+def test_a_restarted_directory_adopts_a_decoders_pins_with_one_read_off_the_loop(tmp_path: Path) -> None:
+    path = tmp_path / "own.db"
+    seed = OwnershipStore(path)
+    seed.write_many(claims(*((f"conv-{i}", "ana") for i in range(300))))
+    seed.close()
+    d = ConversationDirectory(DirectorySettings(policy="conversation"), ownership_db_path=str(path))  # restarted: nothing cached
+
+    class NoLoopReads(CountingStore):
+        def owner(self, session_id: str) -> None:  # type: ignore[override]
+            raise AssertionError("an owner read one by one on the event loop")
+
+    d._claims.owners.store = NoLoopReads(path)
+    held = tuple((f"conv-{i}", 1.0) for i in range(300)) + (("never-owned", 1.0),)
+
+    async def go() -> None:
+        await d.report(ReplicaReport("prefill#0", "prefill", kv_usage=0.1, kv_capacity_tokens=10_000))
+        await d.report(ReplicaReport("decode#0", "decode", kv_usage=0.1, kv_capacity_tokens=10_000, conversations=held))
+        plan = await d.route("conv-7", "ana", 100)  # a returning conversation: back to its decoder, no handoff
+        assert plan.decode_replica == "decode#0" and not plan.remote_prefill
+        with pytest.raises(ForeignConversation):
+            await d.route("conv-8", "bob", 100)
+
+    asyncio.run(go())
+    assert d._state.totals["pins_adopted"] == 300 and d._state.pin_of("never-owned") is None
+    assert d._claims.stats().lookups == 1  # all 301 in one read
     d._state.check_integrity()
     d._claims.check_integrity()

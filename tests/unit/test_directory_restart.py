@@ -213,3 +213,26 @@ def test_after_the_grace_a_conversation_nobody_reported_is_placed_anew(tmp_path:
     with pytest.raises(PinsRebuilding):
         second.route("gone", "ana", 100, now=11.0)
     assert second.route("gone", "ana", 100, now=12.5) == TurnPlan("d1", remote_prefill=False, reason="new")
+
+
+def test_a_long_list_is_adopted_in_parts_with_owners_read_beforehand(tmp_path: Path) -> None:
+    path = tmp_path / "conversations.sqlite3"
+    first = restarted(path)
+    up(first, 0.0, "d0", "d1")
+    for i in range(6):
+        first.route(f"c{i}", "ana", 10, now=0.0)
+    second = restarted(path)
+    held = tuple((f"c{i}", 1.0) for i in range(6)) + (("nobody", 1.0),)
+    report = rep("d0", "decode", conversations=held)
+    candidates = second.adoption_candidates(report, 2.0)
+    assert candidates == [sid for sid, _ in held]  # nothing pinned yet: every one is asked
+    owners = {f"c{i}": "ana" for i in range(6)}  # as a Lookup answered them ("nobody" has no owner)
+    second.report(report, 2.0, {sid: owners[sid] for sid in ("c0", "c1")})  # stored, the first part adopted
+    assert [second.pin_of(f"c{i}") is not None for i in range(6)] == [True, True] + [False] * 4
+    assert second.adoption_candidates(report, 2.0) == ["c2", "c3", "c4", "c5", "nobody"]  # what is adopted is not asked again
+    assert second.adopt(rep("d0", "decode", conversations=held[2:4]), 2.0, owners) == 2
+    second.replica_failed("d0", 2.5)  # the decoder failed between two parts: the rest is not adopted onto it
+    assert second.adopt(rep("d0", "decode", conversations=held[4:]), 3.0, owners) == 0
+    assert second.adopt(rep("d9", "decode", conversations=held[4:]), 3.0, owners) == 0  # a replica never stored
+    assert second.totals["pins_adopted"] == 4 and second.pin_of("nobody") is None
+    second.check_integrity()
