@@ -27,6 +27,7 @@ from deployments.salt import PrefixCacheScope
 from deployments.tool_calls import ToolCalling
 from memory_store.config import MemoryConfig
 from router.chat_admission import ChatAdmissionConfig
+from router.heap import freeze_startup_heap
 from router.pin_cache import PinCache
 from router.policy import DEFAULT_CONDITIONAL_PD_THRESHOLD_TOKENS, Policy
 
@@ -88,6 +89,7 @@ class Ingress:
         )
         self._chat = ChatService(self._frontend, self._memory, settings.input_limits)  # HTTP and gRPC share it
         self._grpc = GrpcFrontend(self._chat, self._api_keys, self._realtime)
+        freeze_startup_heap()  # router/heap.py: the collector's walks skip the startup heap (tokenizer, FastAPI, Serve)
 
     def __serve_build_asgi_app__(self) -> Any:
         try:

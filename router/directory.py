@@ -23,6 +23,7 @@ from ray.serve import metrics
 from router.claim_batch import ClaimBatcher
 from router.directory_shards import deployment_name
 from router.directory_state import DirectorySettings, DirectoryState
+from router.heap import freeze_startup_heap
 from router.ownership import KnownOwners, OwnershipStore
 from router.pin_cache import PinSync, Placed, Touch
 from router.policy import TurnPlan
@@ -73,6 +74,7 @@ class ConversationDirectory:
             "baton_directory_reports_relayed", "engine replicas' reports this shard received relayed from their home shard")
         self._kv_transfers = metrics.Gauge(
             "baton_decoder_kv_transfers_received", "KV transfers a decode replica completed (its connector's count)", tag_keys=("decoder",))
+        logger.info("froze %d startup objects out of the garbage collector's walks (router/heap.py)", freeze_startup_heap())
 
     def _ensure_expiry(self) -> None:
         if self._expiry_task is None:
@@ -146,18 +148,20 @@ class ConversationDirectory:
     async def _apply_adopting(self, report: ReplicaReport, owners: dict[str, str] | None) -> bool:
         """_apply, with a long list to adopt (a restart's: up to 4,096 pins, ~6 µs each) adopted
         ADOPT_CHUNK at a time, the loop serving other calls between the parts."""
-        adopted = self._state.totals["pins_adopted"]
+        before = self._state.totals["pins_adopted"]
         held = report.conversations
         if owners is None or len(held) <= ADOPT_CHUNK:
             wants_complete = self._apply(report, owners)
+            adopted = self._state.totals["pins_adopted"] - before
         else:
             wants_complete = self._apply(report, {sid: owners[sid] for sid, _ in held[:ADOPT_CHUNK] if sid in owners})
+            adopted = self._state.totals["pins_adopted"] - before  # other reports may adopt between the parts: count this one's
             for i in range(ADOPT_CHUNK, len(held), ADOPT_CHUNK):
                 await asyncio.sleep(0)
-                self._state.adopt(replace(report, conversations=held[i:i + ADOPT_CHUNK]), time.monotonic(), owners)
+                adopted += self._state.adopt(replace(report, conversations=held[i:i + ADOPT_CHUNK]), time.monotonic(), owners)
             self._live_pins.set(self._state.live_pins())
-        if self._state.totals["pins_adopted"] > adopted:
-            logger.info("adopted %d pins from the report of %s", self._state.totals["pins_adopted"] - adopted, report.replica_id)
+        if adopted:
+            logger.info("adopted %d pins from the report of %s", adopted, report.replica_id)
         return wants_complete
 
     def _apply(self, report: ReplicaReport, owners: dict[str, str] | None = None) -> bool:

@@ -273,7 +273,7 @@ class DirectoryState:
         return gone
 
     def _evict_oldest(self) -> None:
-        oldest = min(self._pins, key=lambda s: self._pins[s].last_seen)
+        oldest = self._pins.oldest()
         self._pins.pop(oldest)
         self._changed(oldest)
         self.totals["evicted"] += 1
@@ -330,11 +330,11 @@ class DirectoryState:
         }
 
     def check_integrity(self) -> None:
-        self._pins.check_integrity()
-        self._held.check_integrity()
         for sid, p in self._pins.items():
             if p.last_seen < p.created or p.turns < 1 or p.handoffs < 0 or not sid:
                 raise AssertionError(f"bad pin {sid!r}: {p}")
+        self._pins.check_integrity()
+        self._held.check_integrity()
         if len(self._pins) > self.settings.max_conversations:
             raise AssertionError("more conversations than max_conversations")
         self._fleet.check_integrity()

@@ -16,7 +16,7 @@ class Reported:
     at: float
 
 
-@dataclass
+@dataclass(slots=True)  # no __dict__: one object per pin for the garbage collector to walk, not two
 class Pin:
     decoder: str
     user: str | None

@@ -23,6 +23,7 @@ Then new conversations whose ownership goes to a real SQLite file (baton/bench/d
 claimed one by one on the event loop, or in group commits off it (router/claim_batch.py), alone or
 each followed by its end. Then a restarted directory adopting 8 decoders' pins from their complete
 reports (baton/bench/directory_adoption.py): owners read one by one on the loop, or in one lookup off it.
+Then the garbage collector's pauses while the pins grow, the startup heap walked or frozen (baton/bench/directory_gc.py).
 
 RESULT: `route_new_us_at_<R>` and `route_pinned_us_at_<R>` at the largest fleet and most pins,
 `ceiling_new_per_s_at_<R>`, `pins_growth`, `replicas_growth` (new conversation, largest fleet
@@ -30,7 +31,8 @@ over smallest, at the fewest pins), `report_us_complete_shards2` and `report_us_
 (a decoder holding MAX_REPORTED_CONVERSATIONS conversations, 2 shards), and directory_claims.result_fields
 (durable new conversations/s and a pinned turn's p99 meanwhile, one by one vs group commit, then the
 same for conversations opened and ended) and directory_adoption.result_fields (the adoption's time and
-a pinned turn's longest wait meanwhile, both ways)."""
+a pinned turn's longest wait meanwhile, both ways) and directory_gc.result_fields (the longest
+generation-2 pause and the slowest turn, the startup heap walked or frozen)."""
 from __future__ import annotations
 
 import json
@@ -41,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from baton.bench import directory_adoption, directory_claims, directory_reports
+from baton.bench import directory_adoption, directory_claims, directory_gc, directory_reports
 from baton.bench.directory_reports import ReportCost
 from router.directory_state import DirectorySettings, DirectoryState
 from router.pin_cache import Touch
@@ -214,13 +216,21 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         print(f"[directory] restart: {directory_claims.DECODERS} decoders report {directory_adoption.HELD} conversations each, owners read "
               f"{a.mode:10s}: all pins adopted in {a.adopt_ms[0]:6.1f} ms ({a.adopt_ms[1]:.1f}-{a.adopt_ms[2]:.1f}); a pinned turn's "
               f"longest wait meanwhile {a.probe_max_ms[0]:6.1f} ms ({a.probe_max_ms[1]:.1f}-{a.probe_max_ms[2]:.1f})", flush=True)
-    line = result_line(points, reports) + directory_claims.result_fields(claim_points) + directory_adoption.result_fields(adoption_points)
+    gc_points, gc_runs = directory_gc.measure(directory_gc.CALLS)
+    for g in gc_points:
+        print(f"[directory] collector, heap {g.mode:7s}: {directory_gc.CALLS} turns, pins 0 -> {directory_gc.CALLS // directory_gc.NEW_EVERY}: "
+              f"{g.gen2_collections:.0f} generation-2 collections, the longest {g.gen2_max_ms[0]:6.1f} ms ({g.gen2_max_ms[1]:.1f}-"
+              f"{g.gen2_max_ms[2]:.1f}); the slowest turn {g.call_max_ms[0]:6.1f} ms, p99.9 {g.call_p999_ms:.3f} ms", flush=True)
+    line = (result_line(points, reports) + directory_claims.result_fields(claim_points) + directory_adoption.result_fields(adoption_points)
+            + directory_gc.result_fields(gc_points))
     report = {"quick": quick, "grid": asdict(g), "repeats": REPEATS, "sync_touches": SYNC_TOUCHES,
               "points": [asdict(p) for p in points], "reports": [asdict(r) for r in reports],
               "durable_claims": {"conversations": conversations, "points": [asdict(c) for c in claim_points],
                                  "runs": [asdict(r) for r in claim_runs]},
               "restart_adoption": {"decoders": directory_claims.DECODERS, "held": directory_adoption.HELD,
                                    "points": [asdict(a) for a in adoption_points], "runs": [asdict(r) for r in adoption_runs]},
+              "collector": {"calls": directory_gc.CALLS, "new_every": directory_gc.NEW_EVERY,
+                            "points": [asdict(g) for g in gc_points], "runs": [asdict(r) for r in gc_runs]},
               "result": line}
     (out_dir / "directory.json").write_text(json.dumps(report, indent=2))
     _plot(points, out_dir / "directory.png")

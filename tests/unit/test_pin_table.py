@@ -63,3 +63,37 @@ def test_a_pin_changed_around_the_table_is_caught() -> None:
     t["a"].decoder = "d1"  # not through move()
     with pytest.raises(AssertionError, match="drifted"):
         t.check_integrity()
+
+
+def test_oldest_is_the_least_recently_seen_through_any_sequence_of_changes() -> None:
+    rng = random.Random(11)
+    t = PinTable()
+    clock = 0.0
+    with pytest.raises(LookupError):
+        t.oldest()
+    for step in range(20_000):
+        clock += rng.random()
+        sid = f"s{rng.randrange(400)}"
+        op = rng.random()
+        if op < 0.3:  # a new pin, or one put anew (adoption may start it in the past)
+            t.put(sid, Pin("d0", "ana", clock - rng.uniform(0, 50), clock - rng.uniform(0, 50)))
+        elif op < 0.75 and sid in t:  # a turn, or a touch reported late: last_seen never goes back
+            t[sid].last_seen = max(t[sid].last_seen, clock - rng.uniform(0, 5))
+        elif op < 0.85:
+            t.pop(sid)
+        elif len(t):  # a full directory evicts the oldest
+            gone = t.oldest()
+            assert t[gone].last_seen == min(p.last_seen for p in t.values())
+            t.pop(gone)
+        if step % 1000 == 0:
+            t.check_integrity()
+    assert len(t._by_seen) <= 2 * len(t) + 1024  # removed pins' entries do not pile up without bound
+    t.check_integrity()
+
+
+def test_a_pin_whose_last_seen_went_back_is_caught() -> None:
+    t = PinTable()
+    t.put("a", Pin("d0", "ana", 5.0, 5.0))
+    t["a"].last_seen = 4.0  # against the rule: oldest could no longer be exact
+    with pytest.raises(AssertionError, match="heap entry"):
+        t.check_integrity()
