@@ -229,7 +229,10 @@ class ConversationDirectory:
         return ended
 
     async def describe_conversation(self, session_id: str, user: str | None) -> dict[str, Any] | None:
-        """GET /v1/conversations/{id}: the owner's view of it (ConversationInfo), None otherwise."""
+        """GET /v1/conversations/{id}: the owner's view of it (ConversationInfo), None otherwise.
+        An owner the cache lacks (after a restart) is read off the loop, in order with the writes."""
+        if not session_id or not await self._claims.owners_of([session_id]):
+            return None  # nobody owns it: nothing to show (and no read of the file on the loop)
         info = self._state.describe(session_id, user, time.monotonic())
         return info.as_json() if info is not None else None
 

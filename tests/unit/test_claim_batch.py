@@ -314,3 +314,30 @@ def test_a_restarted_directory_adopts_a_decoders_pins_with_one_read_off_the_loop
     assert d._claims.stats().lookups == 1  # all 301 in one read
     d._state.check_integrity()
     d._claims.check_integrity()
+
+
+def test_describing_a_conversation_reads_an_uncached_owner_off_the_loop(tmp_path: Path) -> None:
+    path = tmp_path / "own.db"
+    seed = OwnershipStore(path)
+    seed.write_many(claims(("conv", "ana"), ("idle", "ana")))
+    seed.close()
+    d = ConversationDirectory(DirectorySettings(policy="conversation"), ownership_db_path=str(path))
+
+    class NoLoopReads(CountingStore):
+        def owner(self, session_id: str) -> None:  # type: ignore[override]
+            raise AssertionError("an owner read on the event loop")
+
+    d._claims.owners.store = NoLoopReads(path)
+    conversations = (("conv", 1.0),)
+
+    async def go() -> list[dict[str, object] | None]:
+        await d.report(ReplicaReport("prefill#0", "prefill", kv_usage=0.1, kv_capacity_tokens=10_000))
+        await d.report(ReplicaReport("decode#0", "decode", kv_usage=0.1, kv_capacity_tokens=10_000, conversations=conversations))
+        d._claims.owners._owners.clear()  # the cache lost them (a bounded LRU): the file must be asked again
+        return [await d.describe_conversation(sid, user) for sid, user in
+                (("conv", "ana"), ("conv", "bob"), ("idle", "ana"), ("nobody", "ana"), ("", "ana"))]
+
+    mine, strangers, unpinned, unknown, empty = asyncio.run(go())
+    assert mine is not None and mine["decoder"] == "decode#0"  # type: ignore[index]
+    assert strangers is None and unpinned is None and unknown is None and empty is None
+    assert d._claims.stats().lookups == 4  # the adoption's, then conv's, idle's and nobody's (bob's answer came from the cache)
