@@ -150,13 +150,12 @@ class ConversationDirectory:
         ADOPT_CHUNK at a time, the loop serving other calls between the parts."""
         before = self._state.totals["pins_adopted"]
         held = report.conversations
-        if owners is None or len(held) <= ADOPT_CHUNK:
-            wants_complete = self._apply(report, owners)
-            adopted = self._state.totals["pins_adopted"] - before
-        else:
-            wants_complete = self._apply(report, {sid: owners[sid] for sid, _ in held[:ADOPT_CHUNK] if sid in owners})
-            adopted = self._state.totals["pins_adopted"] - before  # other reports may adopt between the parts: count this one's
-            for i in range(ADOPT_CHUNK, len(held), ADOPT_CHUNK):
+        in_parts = owners is not None and len(held) > ADOPT_CHUNK
+        wants_complete = self._apply(report, {} if in_parts else owners)  # in parts: stored now, nothing adopted yet
+        adopted = self._state.totals["pins_adopted"] - before
+        if in_parts:
+            assert owners is not None
+            for i in range(0, len(held), ADOPT_CHUNK):  # other reports may adopt between the parts: count this one's
                 await asyncio.sleep(0)
                 adopted += self._state.adopt(replace(report, conversations=held[i:i + ADOPT_CHUNK]), time.monotonic(), owners)
             self._live_pins.set(self._state.live_pins())
