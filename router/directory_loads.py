@@ -8,7 +8,7 @@ tokens queued or being prefilled (+ the prompts sent since), requests in flight.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from router.report import ReplicaReport
@@ -20,13 +20,6 @@ Unreported = Mapping[str, tuple[int, int]]  # replica -> (turns, prompt tokens) 
 class PinView(Protocol):
     decoder: str
     prompt_tokens: int
-
-
-def count_unreported(unreported: dict[str, tuple[int, int]], known: Container[str], replica_id: str, prompt_tokens: int) -> None:
-    """One more turn sent to `replica_id` since its report (a replica never reported carries none)."""
-    if replica_id in known:
-        turns, tokens = unreported.get(replica_id, (0, 0))
-        unreported[replica_id] = (turns + 1, tokens + prompt_tokens)
 
 
 def pin_sums(pins: Iterable[PinView]) -> tuple[Counter[str], Counter[str]]:

@@ -185,9 +185,9 @@ class DirectoryState:
                 self.totals["prefill_fallback_local"] += 1
                 plan = replace(plan, remote_prefill=False)
             else:
-                self._fleet.count(prefill, prompt_tokens)
+                self._fleet.count(prefill, prompt_tokens, now)
                 plan = replace(plan, prefill_replica=prefill)
-        self._fleet.count(plan.decode_replica, prompt_tokens)
+        self._fleet.count(plan.decode_replica, prompt_tokens, now, session_id)
         self.totals["turns"] += 1
         self.totals[f"plan_{plan.reason}"] += 1
         if plan.remote_prefill:
@@ -291,12 +291,12 @@ class DirectoryState:
                 self._pins.hold(t.session_id, t.prompt_tokens)
                 self._changed(t.session_id, via)
                 self.totals.update(("turns", "plan_pinned_at_ingress"))
-                self._fleet.count(t.decoder, t.prompt_tokens)
+                self._fleet.count(t.decoder, t.prompt_tokens, now)
             else:
                 self.totals["pin_touches_stale"] += 1
         for p in placed:
             self.totals.update(("turns", "plan_sessionless_at_ingress"))
-            self._fleet.count(p.decoder, p.prompt_tokens)
+            self._fleet.count(p.decoder, p.prompt_tokens, now)
         changed, reset = self.changes.since(via, incarnation, after_seq)
         updates = tuple(PinUpdate(sid, p.decoder, p.user, p.turns, p.prompt_tokens) if (p := self._pins.get(sid)) else PinUpdate(sid, None)
                         for sid in changed)

@@ -16,12 +16,14 @@ replicas at any time it is served for.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
-from router.directory_loads import count_unreported, decoder_loads
+from router.directory_loads import decoder_loads
 from router.directory_types import Reported
 from router.pin_table import PinTable
 from router.report import ReplicaReport
 from router.scoring import ReplicaLoad
+from router.unreported import UnreportedTurns
 
 
 class Fleet:
@@ -31,7 +33,7 @@ class Fleet:
         self._pins = pins
         self.replicas: dict[str, Reported] = {}
         self.failed: dict[str, float] = {}  # replica -> when it failed
-        self.unreported: dict[str, tuple[int, int]] = {}  # replica -> (turns, prompt tokens) routed since its report
+        self._unreported = UnreportedTurns()  # the turns routed to each replica that its reports do not show yet
         self._live: dict[str, tuple[list[ReplicaReport], float, float]] = {}  # pool -> (live, computed at, valid until)
         self._loads: dict[str, ReplicaLoad] = {}  # decoder -> its load
 
@@ -42,9 +44,10 @@ class Fleet:
         failed_at = self.failed.get(rid)
         if failed_at is not None and now - failed_at <= self.stale_after_s:
             return False
+        previous = self.replicas.get(rid)
         self.replicas[rid] = Reported(report, now)
         self.failed.pop(rid, None)
-        self.unreported.pop(rid, None)
+        self._unreported.reported(report, previous.at if previous is not None else None)
         self._live.clear()
         self._loads.pop(rid, None)
         return True
@@ -53,10 +56,13 @@ class Fleet:
         self.failed[replica_id] = now
         self._live.clear()
 
-    def count(self, replica_id: str, prompt_tokens: int) -> None:
-        """One more turn sent to `replica_id` since its report (a replica never reported carries none)."""
-        count_unreported(self.unreported, self.replicas, replica_id, prompt_tokens)
-        self._loads.pop(replica_id, None)
+    def count(self, replica_id: str, prompt_tokens: int, now: float, session_id: str | None = None) -> None:
+        """One more turn sent to `replica_id`, counted until its reports show it (router/unreported.py;
+        `session_id`: the turn's conversation, which a decoder's report lists once the turn arrived).
+        A replica never reported carries none."""
+        if replica_id in self.replicas:
+            self._unreported.add(replica_id, prompt_tokens, now, session_id)
+            self._loads.pop(replica_id, None)
 
     # ---- views --------------------------------------------------------------------------------
     def is_live(self, r: Reported, now: float) -> bool:
@@ -72,8 +78,13 @@ class Fleet:
         self._live[pool] = (reports, now, min((r.at for r in live), default=math.inf) + self.stale_after_s)
         return reports
 
+    @property
+    def unreported(self) -> Mapping[str, tuple[int, int]]:
+        """replica -> (turns, prompt tokens) routed to it that its reports do not show yet."""
+        return self._unreported.totals
+
     def unreported_of(self, replica_id: str) -> tuple[int, int]:
-        return self.unreported.get(replica_id, (0, 0))
+        return self._unreported.of(replica_id)
 
     def decoder_loads(self, live: list[ReplicaReport]) -> list[ReplicaLoad]:
         """The loads of the decoders in `live` (router/directory_loads.decoder_loads, kept per decoder)."""
@@ -94,9 +105,7 @@ class Fleet:
         return decoder_loads([r], self.unreported, self._pins.counts(), self._pins.held())[0]
 
     def check_integrity(self) -> None:
-        for turns, tokens in self.unreported.values():
-            if turns < 0 or tokens < 0:
-                raise AssertionError("negative unreported load")
+        self._unreported.check_integrity()
         if set(self.unreported) - set(self.replicas):
             raise AssertionError("unreported load on a replica that never reported")
         if self._pins is not None:

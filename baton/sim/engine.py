@@ -31,7 +31,7 @@ from baton.engine.simulated.scheduler import Scheduler, SchedulerLimits
 from baton.engine.simulated.timing import StepBatch, StepTime
 from baton.sim.contention import SharedHost
 from kv_transfer.ledger import TransferLedger
-from router.report import ReplicaReport
+from router.report import MAX_REPORTED_CONVERSATIONS, ReplicaReport
 
 INJECT = "inject"
 
@@ -102,13 +102,18 @@ class DesEngine:
         self.busy_s = 0.0
         self.steps = 0
         self._pending: dict[str, tuple[Outcome, simpy.Event]] = {}
+        self._served: dict[str, float] = {}  # session id -> when its latest turn arrived, since the last report
         self._wake = env.event()
         env.process(self._run())
 
     # ---- requests ---------------------------------------------------------------------------
-    def submit(self, request_id: str, tokens: list[int], max_tokens: int, params: dict[str, Any] | None = None) -> simpy.Event:
-        """Add a request; the returned event fires with its Outcome when it finishes."""
+    def submit(self, request_id: str, tokens: list[int], max_tokens: int, params: dict[str, Any] | None = None,
+               session_id: str | None = None) -> simpy.Event:
+        """Add a request; the returned event fires with its Outcome when it finishes. `session_id`:
+        its conversation, listed in the next report as a Baton decoder lists what it served."""
         done = self.env.event()
+        if session_id:
+            self._served[session_id] = self.env.now
         self._pending[request_id] = (Outcome(self.env.now), done)
         self.scheduler.add_request(SimRequest(request_id, tokens, max_tokens, self.shape.block_size, kv_transfer_params=params))
         if not self._wake.triggered:
@@ -160,7 +165,9 @@ class DesEngine:
 
     # ---- what it reports ----------------------------------------------------------------------
     def report(self) -> ReplicaReport:
-        """The figures a Baton engine replica reports (router/report.py), from the scheduler."""
+        """The figures a Baton engine replica reports (router/report.py), from the scheduler, and the
+        conversations whose turns arrived since the previous report (whose unreported load the
+        directory then drops: router/unreported.py); starts the next report."""
         sched = self.scheduler
         pool = sched.kv_cache_manager.block_pool
         usable = pool.num_gpu_blocks - 1
@@ -168,9 +175,13 @@ class DesEngine:
         pending = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.requests.values())
         # resident = in use or cached; cached blocks are counted by hash (in use ones twice at most), capped
         resident = min(1.0, usage + len(pool.cached_block_hash_to_block) / usable)
+        served = tuple(sorted(((sid, self.env.now - at) for sid, at in self._served.items()), key=lambda e: (e[1], e[0])))
+        served = served[:MAX_REPORTED_CONVERSATIONS]  # the most recent, as a decoder's report bounds them
+        self._served.clear()
         return ReplicaReport(self.replica_id, self.pool, kv_usage=usage, kv_resident=resident,
                              kv_capacity_tokens=usable * pool.block_size, num_running=len(sched.running),
-                             num_waiting=len(sched.waiting), pending_prefill_tokens=pending, in_flight=len(sched.requests))
+                             num_waiting=len(sched.waiting), pending_prefill_tokens=pending, in_flight=len(sched.requests),
+                             conversations=served)
 
 
 TimerFactory = Callable[[str], StepTimer]

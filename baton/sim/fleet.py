@@ -184,7 +184,7 @@ class Fleet:
         if plan.remote_prefill and params is None and plan.prefill_replica is not None:
             out = yield self.engines[plan.prefill_replica].submit(rid + "-p", prompt, 1, {"do_remote_decode": True})
             params = out.kv_transfer_params
-        out = yield self.engines[plan.decode_replica].submit(rid, prompt, max_tokens, params)
+        out = yield self.engines[plan.decode_replica].submit(rid, prompt, max_tokens, params, session_id=c.session_id)
         self.directory.served(c.session_id, plan.decode_replica, env.now)
         return _record(c, k, effective, scheduled, out), out.output_token_ids
 

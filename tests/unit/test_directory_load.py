@@ -44,10 +44,47 @@ def test_a_report_replaces_the_projection(make_state: MakeState) -> None:
     up(state, 0.0, "d0", "d1")
     assert state.route("s0", None, 5000, now=0.0).decode_replica == "d0"
     assert state.route("s1", None, 100, now=0.0).decode_replica == "d1"  # d0 projected at 0.5
-    # d0 reports: the 5k-token turn finished and its KV was evicted; d1 is still busy
-    state.report(rep("d0", "decode", kv=0.0), 1.0)
-    state.report(rep("d1", "decode", kv=0.3, in_flight=1), 1.0)
+    # d0 reports: the 5k-token turn arrived (its conversation listed), finished and its KV was evicted; d1 is still busy
+    state.report(rep("d0", "decode", kv=0.0, conversations=(("s0", 0.5),)), 1.0)
+    state.report(rep("d1", "decode", kv=0.3, in_flight=1, conversations=(("s1", 0.5),)), 1.0)
     assert state.route("s2", None, 100, now=1.0).decode_replica == "d0"
+
+
+def test_a_report_made_before_a_turn_arrived_keeps_its_projection(make_state: MakeState) -> None:
+    """A report that does not list a routed turn's conversation was made before the turn reached its
+    replica (router/unreported.py): the turn still counts, so a burst split by reports still spreads."""
+    state = make_state("colocated", weights=LoadWeights(pin_weight=0.0, queue_weight=0.05))
+    up(state, 0.0, "d0", "d1")
+    placed = []
+    for i in range(8):
+        placed.append(state.route(f"s{i}", None, 1000, now=0.5).decode_replica)
+        if i == 3:  # d1 reports mid-burst, before any of the turns arrived (a report wiping them made d1 look idle: 3 vs 5)
+            up(state, 0.6, "d1", prefill=())
+    assert Counter(placed) == Counter({"d0": 4, "d1": 4})
+    # the turns arrive: listed in the next reports, they count no more
+    for d in ("d0", "d1"):
+        state.report(rep(d, "decode", conversations=tuple((s, 0.1) for s, r in zip((f"s{i}" for i in range(8)), placed, strict=True) if r == d)), 1.0)
+    assert state.pool_in_flight(1.0) == 0
+
+
+def test_a_turn_that_never_arrives_stops_counting_at_the_second_report(make_state: MakeState) -> None:
+    state = make_state("colocated", weights=LoadWeights(pin_weight=0.0, queue_weight=0.05))
+    up(state, 0.0, "d0", "d1")
+    assert state.route("lost", None, 1000, now=0.5).decode_replica == "d0"
+    up(state, 1.0, "d0", "d1")  # its turn never reached d0 (the caller went away)
+    assert state.pool_in_flight(1.0) == 1
+    up(state, 2.0, "d0", "d1")
+    assert state.pool_in_flight(2.0) == 0
+
+
+def test_turns_without_a_conversation_count_until_the_next_report(make_state: MakeState) -> None:
+    state = make_state("colocated", weights=LoadWeights(pin_weight=0.0, queue_weight=0.05))
+    up(state, 0.0, "d0", "d1")
+    state.route(None, None, 1000, now=0.5)
+    state.route("s", None, 1000, now=0.5)
+    assert state.pool_in_flight(0.5) == 2
+    up(state, 1.0, "d0", "d1")
+    assert state.pool_in_flight(1.0) == 1  # the sessionless one went with the report; "s" is not listed yet
 
 
 def test_the_burst_spreads_by_prompt_size(make_state: MakeState) -> None:
@@ -177,7 +214,8 @@ def test_each_plan_tells_the_pools_in_flight_reported_and_placed_since(make_stat
     assert first.pool_in_flight == 4  # the 3 reported and this turn
     second = state.route("s1", None, 100, now=0.0)
     assert second.pool_in_flight == 5
-    state.report(rep("d0", "decode", in_flight=0), 1.0)  # d0's report replaces what was placed on it since
+    # d0's report replaces what was placed on it since, once it lists those turns' conversations
+    state.report(rep("d0", "decode", in_flight=0, conversations=(("s0", 0.5), ("s1", 0.5))), 1.0)
     placed_on_d1 = [first.decode_replica, second.decode_replica].count("d1")
     assert state.pool_in_flight(1.0) == 1 + placed_on_d1
     assert state.pool_in_flight(1.0 + STALE + 5.0) == 0  # stale replicas are not live: nothing counted

@@ -47,7 +47,7 @@ def test_a_decoder_s_load_follows_its_report_its_unreported_turns_and_its_pins()
         return decoder_loads(fleet.live("decode", 1.0), fleet.unreported, pins.counts(), pins.held())
 
     assert fleet.decoder_loads(fleet.live("decode", 1.0)) == fresh()
-    fleet.count("d0", 300)
+    fleet.count("d0", 300, 1.0)
     pins.put("c1", Pin("d1", "ana", 1.0, 1.0, prompt_tokens=500))
     loads = fleet.decoder_loads(fleet.live("decode", 1.0))
     assert loads == fresh() and (loads[0].in_flight, loads[1].pinned) == (1, 1)

@@ -467,7 +467,8 @@ def test_the_directory_counts_sessionless_placements_and_touches_as_load_until_t
     on_d0 = 300 + (100 + 200 if pinned_on == "d0" else 0)
     assert loads["d0"].kv_usage == pytest.approx(on_d0 / 1000)
     assert state.totals["plan_sessionless_at_ingress"] == 2 and reply.weights == state.settings.weights
-    state.report(ReplicaReport("d0", "decode", kv_capacity_tokens=1000), 2.0)  # its report now shows them
+    # its report now shows them (the routed turn of "s" once the report lists that conversation)
+    state.report(ReplicaReport("d0", "decode", kv_capacity_tokens=1000, conversations=(("s", 0.5),)), 2.0)
     assert {load.replica_id: load.in_flight for load in state.sync("ing-a", reply.incarnation, reply.seq, [], 2.0).decoder_loads}["d0"] == 0
     state.check_integrity()
 

@@ -81,3 +81,14 @@ def test_the_report_shows_queued_prefill_and_capacity():
     engine.submit("a", list(range(300)), 4)
     r = engine.report()
     assert (r.pool, r.in_flight, r.num_waiting, r.pending_prefill_tokens, r.kv_capacity_tokens) == ("decode", 1, 1, 300, 4096)
+
+
+def test_the_report_lists_the_conversations_whose_turns_arrived_since_the_last_one():
+    env = simpy.Environment()
+    engine = DesEngine(env, "d0", "decode", SHAPE, FakeTimer())
+    engine.submit("a1", list(range(30)), 2, session_id="a")
+    engine.submit("x", list(range(30)), 2)  # no conversation: nothing to list
+    assert [sid for sid, _ in engine.report().conversations] == ["a"]
+    engine.submit("b1", list(range(30)), 2, session_id="b")
+    assert [sid for sid, _ in engine.report().conversations] == ["b"]
+    assert engine.report().conversations == ()
