@@ -9,9 +9,16 @@ and keep a prefix cache as vLLM's does), colocated policy, one ingress.
   placed on the new replica as well.
 * decode 2 -> 1 the same way: every conversation gets its next turn, those whose replica was
   removed re-placed on the other (0 failed turns).
-* the replica count written into `args` instead: Serve hashes an application's args into every
-  deployment's version, so every replica is replaced (engines, directory, ingress). The
-  conversation's next turn still succeeds, on a new replica with nothing cached.
+* an edit of `args` (here: the decode pool put under Serve's autoscaler): Serve hashes an
+  application's args into every deployment's version, so every replica is replaced (engines,
+  directory, ingress). The conversation's next turn still succeeds, on a new replica with nothing
+  cached.
+* then, under the autoscaler (`decode.autoscaling`, 1 to 2 replicas): 8 clients opening 3-turn
+  conversations scale it 1 -> 2, conversations opened after that are placed on the new replica,
+  and once the load stops it scales back to 1; every turn is served (the conversations of the
+  replica it removed are re-placed).
+
+One test, one application: each phase starts from the state the one before left.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import copy
 import os
 import random
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,24 +62,32 @@ class Cluster:
 
     def deploy(self, args: dict[str, Any], overrides: list[dict[str, Any]] | None = None) -> None:
         """Apply a config (as `serve deploy` does) and wait until the application runs with the
-        decode replica count it asks for."""
-        from ray import serve
+        decode replica count it asks for (an autoscaled pool: its initial count)."""
         from ray.serve.context import _get_global_client
         from ray.serve.schema import ServeDeploySchema
 
         app: dict[str, Any] = {"name": "baton", "route_prefix": "/", "import_path": "deployments.app:build_app", "args": args}
         if overrides:
             app["deployments"] = overrides
-        want = next((o["num_replicas"] for o in overrides or () if o["name"] == "decode"), args["decode"]["num_replicas"])
+        auto = args["decode"].get("autoscaling")
+        want = next((o["num_replicas"] for o in overrides or () if o["name"] == "decode"),
+                    auto["initial_replicas"] if auto else args["decode"]["num_replicas"])
         _get_global_client().deploy_apps(ServeDeploySchema(applications=[app]), _blocking=False)
-        deadline = time.monotonic() + DEPLOY_WAIT_S
+        self.wait_decode(want, DEPLOY_WAIT_S)
+        if httpx.get(f"{self.url}/health", timeout=10).json().get("status") != "ok":
+            raise AssertionError("the application runs but its /health is not ok")
+
+    def wait_decode(self, replicas: int, within_s: float) -> None:
+        """Until the application runs with exactly this many decode replicas, all running."""
+        from ray import serve
+
+        deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
             st = serve.status().applications.get("baton")
-            if st is not None and st.status == "RUNNING" and st.deployments["decode"].replica_states == {"RUNNING": want}:
-                if httpx.get(f"{self.url}/health", timeout=10).json().get("status") == "ok":
-                    return
+            if st is not None and st.status == "RUNNING" and st.deployments["decode"].replica_states == {"RUNNING": replicas}:
+                return
             time.sleep(0.5)
-        raise AssertionError(f"the application did not run {want} decode replicas within {DEPLOY_WAIT_S:.0f} s: {serve.status()}")
+        raise AssertionError(f"the application did not run {replicas} decode replicas within {within_s:.0f} s: {serve.status()}")
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +133,7 @@ class Conversation:
         return 200, (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
-def test_scale_through_overrides_keeps_engines_and_args_edit_replaces_them(cluster: Cluster) -> None:
+def test_scale_through_overrides_keeps_engines_args_edits_replace_them_and_autoscaling_loses_no_turn(cluster: Cluster) -> None:
     args = _args()
     cluster.deploy(args)
     a = Conversation(cluster.url, "scale-a")
@@ -151,12 +167,65 @@ def test_scale_through_overrides_keeps_engines_and_args_edit_replaces_them(clust
     survivors = {c.replica for c in [a, *others]}
     assert len(survivors) == 1 and survivors <= replicas, survivors
 
-    # the replica count written into args: Serve replaces every replica, nothing is lost but the KV
-    edited = copy.deepcopy(args)
-    edited["decode"]["num_replicas"] = 2
+    # an edit of args (here: the decode pool autoscaled, 1 to 2 replicas): Serve replaces every replica,
+    # nothing is lost but the KV
+    edited = _autoscaled(args)
     cluster.deploy(edited)
     before = a.prompt_tokens
     status, cached = a.turn()
     assert status == 200, "a turn was lost across a redeploy of the whole application"
     assert a.replica not in replicas, "an edit of the application's args kept an old engine replica (Serve's versioning changed?)"
     assert cached < before // 2, f"{cached} of {before} prompt tokens cached on an engine that should have started empty"
+    _autoscaling_phase(cluster, a)
+
+
+def _autoscaled(args: dict[str, Any]) -> dict[str, Any]:
+    """The decode pool under Serve's autoscaler, 1 to 2 replicas, 2 ongoing requests per replica
+    aimed for; its engines at an H200's step times x 20, so that turns take seconds."""
+    engine = copy.deepcopy(args["decode"]["engine"])
+    engine["simulated"]["time_scale"] = 20.0
+    decode = {k: v for k, v in args["decode"].items() if k != "num_replicas"}
+    decode.update(engine=engine, autoscaling={"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1, "target_ongoing_requests": 2,
+                                               "upscale_delay_s": 1, "downscale_delay_s": 5})
+    return {**args, "decode": decode}
+
+
+def _autoscaling_phase(cluster: Cluster, pinned: Conversation) -> None:
+    """8 clients open 3-turn conversations until the pool has grown to 2 and a conversation opened
+    after that was placed on the new replica; then it must shrink back to 1 with every turn served."""
+    before = pinned.replica
+    statuses: list[tuple[str, int]] = []
+    opened: list[tuple[float, Conversation]] = []  # (when its first turn was sent, the conversation)
+    stop = threading.Event()
+
+    def client(k: int) -> None:
+        n = 0
+        while not stop.is_set():
+            c = Conversation(cluster.url, f"auto-{k}-{n}")
+            opened.append((time.monotonic(), c))
+            for _ in range(3):
+                status, _ = c.turn()
+                statuses.append((c.sid, status))
+                if status != 200:
+                    break
+            n += 1
+
+    clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(8)]
+    for t in clients:
+        t.start()
+    try:
+        cluster.wait_decode(2, 120)  # 8 clients over a target of 2 ongoing requests per replica
+        grown = time.monotonic()
+        deadline = grown + 120
+        while not any(at > grown and c.replica not in (None, before) for at, c in opened):
+            assert time.monotonic() < deadline, "no conversation opened after the scale-up was placed on the new replica"
+            time.sleep(1)
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(timeout=120)
+    cluster.wait_decode(1, 180)  # idle: back to min_replicas
+    last = [c for _, c in opened[-8:]] + [pinned]
+    statuses += [(c.sid, c.turn()[0]) for c in last]  # whichever replica Serve removed, every conversation goes on
+    failed = [(sid, status) for sid, status in statuses if status != 200]
+    assert not failed, f"{len(failed)} of {len(statuses)} turns failed: {failed[:5]}"
