@@ -203,8 +203,8 @@ class DirectoryState:
     def pool_in_flight(self, now: float, live: list[ReplicaReport] | None = None) -> int:
         """Requests the live decoders reported serving, plus the turns placed on them since their
         reports (every turn has a decoder; a first turn's remote prefill is part of it)."""
-        live = self.live("decode", now) if live is None else live
-        return sum(r.in_flight + self._fleet.unreported_of(r.replica_id)[0] for r in live)
+        live, unreported = self.live("decode", now) if live is None else live, self._fleet.unreported
+        return sum(r.in_flight + unreported.get(r.replica_id, (0, 0))[0] for r in live)
 
     def _record(self, session_id: str, user: str | None, plan: TurnPlan, now: float, prompt_tokens: int) -> None:
         pin = self._pins.get(session_id)

@@ -6,7 +6,10 @@ have reported) and live pins (conversations already placed). At each grid point 
 building the state: `route` of a new conversation (the ownership claim in an in-memory SQLite
 store, placement over every live decoder, the pin recorded), `route` of a pinned conversation's
 next turn, and one ingress pin-cache `sync` carrying 16 touches, with one decoder's report among
-every REPORT_EVERY calls (its time counted: reports change what a decision reads). Each figure is the median of
+every REPORT_EVERY calls (its time counted: reports change what a decision reads). The directory's
+clock advances DECISION_S per call, so the turns routed to a decoder stop counting as its unreported
+load two of its reports later (router/unreported.py; these reports list no conversations, so none
+is acknowledged sooner), as they would at 1 / DECISION_S decisions a second. Each figure is the median of
 REPEATS timed batches (its spread, min-max, beside it), in microseconds per call; the ceiling is
 1e6 ÷ that: the decisions per second one directory replica can compute when the CPU is its own,
 before Ray Serve's transport (which bench control measures, with it).
@@ -55,6 +58,7 @@ REPORT_CALLS = 50  # reports per timed batch (the report phase)
 # in the route and sync batches, one decoder's report per this many calls (its time included): 128
 # decoders reporting each second send one per 16 decisions at 2,000 decisions/s
 REPORT_EVERY = 16
+DECISION_S = 1e-4  # the directory's clock per timed call: 10,000 decisions a second
 REPORT_SHARDS = (1, 2)
 CLAIM_CONVERSATIONS, CLAIM_CONVERSATIONS_QUICK = 4000, 2000  # new conversations per durable-claims run
 
@@ -110,25 +114,29 @@ def timed(batch: Callable[[int], None], calls: int) -> Timed:
 
 def measure(replicas: int, pins: int, calls: int) -> Point:
     state = build_state(replicas, pins)
-    now = 2.0
+    clock = [2.0]
     reports = [ReplicaReport(f"d{i % replicas}", "decode", kv_usage=0.1 + 0.01 * (i % 7), kv_capacity_tokens=1_000_000)
                for i in range(calls // REPORT_EVERY + 1)]
 
-    def reported(i: int) -> None:  # a decoder's report every REPORT_EVERY calls: what a fleet of decoders sends meanwhile
+    def tick() -> float:
+        clock[0] += DECISION_S
+        return clock[0]
+
+    def reported(i: int) -> float:  # a decoder's report every REPORT_EVERY calls: what a fleet of decoders sends meanwhile
+        now = tick()
         if i % REPORT_EVERY == 0:
-            state.report(reports[i // REPORT_EVERY], now)
+            state.report(reports[(i // REPORT_EVERY) % len(reports)], now)
+        return now
 
     def new(k: int) -> None:
         for i in range(calls):
-            reported(i)
-            state.route(f"new-{k}-{i}", "user", 100, now)
+            state.route(f"new-{k}-{i}", "user", 100, reported(i))
 
     def pinned(k: int) -> None:
         for i in range(calls):
-            reported(i)
-            state.route(f"held-{(k * calls + i) % pins}", "user", 120, now)
+            state.route(f"held-{(k * calls + i) % pins}", "user", 120, reported(i))
 
-    start = state.route("syncing", "user", 100, now, via="ingress")
+    start = state.route("syncing", "user", 100, tick(), via="ingress")
     seq = [start.pin_seq]
 
     def touches_of(i: int) -> list[Touch]:  # 16 pinned conversations, on the decoders they are pinned to
@@ -139,8 +147,7 @@ def measure(replicas: int, pins: int, calls: int) -> Point:
 
     def sync(k: int) -> None:
         for i, touches in enumerate(batches):
-            reported(i)
-            reply = state.sync("ingress", start.incarnation, seq[0], touches, now)
+            reply = state.sync("ingress", start.incarnation, seq[0], touches, reported(i))
             seq[0] = reply.seq
 
     point = Point(replicas, pins, timed(new, calls), timed(pinned, calls), timed(sync, calls))
