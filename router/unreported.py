@@ -74,12 +74,6 @@ class UnreportedTurns:
                 del self._keyed[rid]
         self._total(rid)
 
-    def forget(self, replica_id: str) -> None:
-        """Nothing counted on this replica any more."""
-        self._other.pop(replica_id, None)
-        self._keyed.pop(replica_id, None)
-        self._totals.pop(replica_id, None)
-
     def _total(self, rid: str) -> None:
         turns, tokens = self._other.get(rid, (0, 0))
         for t, k, _ in self._keyed.get(rid, {}).values():

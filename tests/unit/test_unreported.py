@@ -49,8 +49,6 @@ def test_other_turns_count_until_the_next_report_and_replicas_are_apart() -> Non
     assert (u.of("p0"), u.of("d0")) == ((0, 0), (2, 100))
     u.reported(_report("d0"), previous_at=0.9)
     assert u.of("d0") == (1, 60)
-    u.forget("d0")
-    assert dict(u.totals) == {}
     u.check_integrity()
 
 
